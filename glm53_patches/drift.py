@@ -1,0 +1,162 @@
+"""Drift guard: AST fingerprints of the upstream objects a patch touches.
+
+A fingerprint is the SHA-256 of the object's AST with docstrings removed, so
+formatting and comments do not count but any change of code does. Fingerprints
+are read from source files, never by importing, so they can be computed for
+every pinned mlx-vlm release straight from its wheel.
+"""
+
+import ast
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+KNOWN_FILE = Path(__file__).with_name("fingerprints.json")
+
+
+def split_target(target: str):
+    """'pkg.mod:Owner.attr' -> ('pkg.mod', 'Owner.attr')."""
+    module, _, qualname = target.partition(":")
+    return module, qualname
+
+
+def _strip_docstrings(node):
+    for child in ast.walk(node):
+        body = getattr(child, "body", None)
+        if (
+            isinstance(child, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            child.body = body[1:] or [ast.Pass()]
+    return node
+
+
+def _find(tree: ast.Module, qualname: str):
+    scope = tree
+    for part in qualname.split("."):
+        for node in getattr(scope, "body", []):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == part:
+                scope = node
+                break
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == part for t in targets):
+                    scope = node
+                    break
+        else:
+            return None
+    return scope
+
+
+def fingerprint_source(source: str, qualname: str) -> Optional[str]:
+    """Fingerprint `qualname` in a module's source text; None if it is absent."""
+    node = _find(ast.parse(source), qualname)
+    if node is None:
+        return None
+    dumped = ast.dump(_strip_docstrings(node), include_attributes=False)
+    return hashlib.sha256(dumped.encode()).hexdigest()[:16]
+
+
+def module_path(root: Path, module: str) -> Path:
+    """The source file of `module` inside a site-packages-like `root`."""
+    base = Path(root, *module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def installed_root(package: str = "mlx_vlm") -> Optional[Path]:
+    """The folder holding the installed package, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def fingerprint(target: str, root: Optional[Path] = None) -> Optional[str]:
+    module, qualname = split_target(target)
+    if root is None:
+        loaded = sys.modules.get(module)
+        path = Path(loaded.__file__) if loaded is not None else None
+        if path is None:
+            root = installed_root(module.split(".")[0])
+            if root is None:
+                return None
+            path = module_path(root, module)
+    else:
+        path = module_path(root, module)
+    if not path.is_file():
+        return None
+    return fingerprint_source(path.read_text(encoding="utf-8"), qualname)
+
+
+def load_known() -> Dict[str, Dict[str, List[str]]]:
+    """{target: {fingerprint: [mlx-vlm versions]}} shipped with the package."""
+    if not KNOWN_FILE.exists():
+        return {}
+    return json.loads(KNOWN_FILE.read_text())
+
+
+def check(targets: Iterable[str], known=None, root=None) -> Dict[str, str]:
+    """{target: problem} for every target whose fingerprint is not known."""
+    known = load_known() if known is None else known
+    problems = {}
+    for target in targets:
+        found = fingerprint(target, root)
+        if found is None:
+            problems[target] = "not found in the installed mlx-vlm"
+        elif found not in known.get(target, {}):
+            problems[target] = f"fingerprint {found} was never verified"
+    return problems
+
+
+def verified_versions(targets: Iterable[str], known=None) -> List[str]:
+    """Pinned versions on which every one of `targets` has a known fingerprint."""
+    known = load_known() if known is None else known
+    sets = [set(v for versions in known.get(t, {}).values() for v in versions) for t in targets]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+# -- regeneration ---------------------------------------------------------
+
+
+def unpack_release(version: str, cache: Path) -> Path:
+    """Download (once) and unpack the mlx-vlm wheel of `version`; return its root."""
+    root = cache / f"mlx_vlm-{version}"
+    if (root / "mlx_vlm").is_dir():
+        return root
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "--only-binary=:all:", "--dest", tmp, f"mlx-vlm=={version}"],
+            check=True,
+        )
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            members = [m for m in archive.namelist() if m.startswith("mlx_vlm/") and m.endswith(".py")]
+            archive.extractall(root, members)
+    return root
+
+
+def regenerate(targets: Iterable[str], versions: Iterable[str], cache: Path) -> Dict:
+    """Fingerprint `targets` in every release in `versions`."""
+    known: Dict[str, Dict[str, List[str]]] = {}
+    for version in versions:
+        root = unpack_release(version, cache)
+        for target in targets:
+            found = fingerprint(target, root)
+            if found is not None:
+                known.setdefault(target, {}).setdefault(found, []).append(version)
+    return {t: {fp: sorted(v, key=_version_key) for fp, v in fps.items()} for t, fps in sorted(known.items())}
+
+
+def _version_key(version: str):
+    return tuple(int(p) if p.isdigit() else p for p in version.split("."))

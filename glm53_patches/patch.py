@@ -1,0 +1,38 @@
+"""The Patch type: everything about one patch is declared data."""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
+
+from .stats import Stats
+
+GLM5_NEXT = "mlx_vlm.models.glm5_next.language"
+
+
+@dataclass(eq=False)
+class Patch:
+    """One opt-in change to upstream objects.
+
+    ``targets`` maps ``"module:Owner.attr"`` to a factory that receives the
+    object currently installed there (the upstream original, or another
+    patch's wrapper) and returns its replacement. Factories must call the
+    object they were given when they step aside, so that patches compose.
+    ``relies_on`` names upstream objects the patch does not replace but whose
+    behaviour it assumes; the drift guard fingerprints both.
+    """
+
+    name: str
+    summary: str
+    targets: Dict[str, Callable[[object], object]]
+    relies_on: Tuple[str, ...] = ()
+    numerics: str = "exact"  # "exact" or "changing"
+    kernel_backends: Tuple[str, ...] = ()  # backends with custom kernels that need `verify`
+    upstream: str = "not yet proposed"
+    on_revert: Optional[Callable[[], None]] = None  # drop compiled functions and state
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def env_var(self):
+        return f"GLM53_PATCH_{self.name.upper()}"
+
+    def all_fingerprinted(self):
+        return tuple(self.targets) + tuple(self.relies_on)

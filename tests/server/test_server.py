@@ -1,0 +1,62 @@
+"""End to end: the stock mlx_vlm.server, with and without patches, over real HTTP."""
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+PROMPTS = [
+    "Tell me a story about a lighthouse keeper who counts ships.",
+    "List three prime numbers and explain why each is prime.",
+    "Write a haiku about cache lines.",
+]
+
+
+def _answers(server):
+    plain = [server.chat(p, max_tokens=32)[0] for p in PROMPTS]
+    streamed = server.chat(PROMPTS[0], max_tokens=32, stream=True)[0]
+    with ThreadPoolExecutor(3) as pool:  # continuous batching: rows share decode steps
+        concurrent = list(pool.map(lambda p: server.chat(p, max_tokens=32)[0], PROMPTS))
+    return plain, streamed, concurrent
+
+
+def _published(state_dir, pid, timeout=10):
+    path = state_dir / f"{pid}.json"
+    deadline = time.time() + timeout
+    while True:
+        report = json.loads(path.read_text())
+        if report["patches"]["compiled_kda_decode"]["stats"]["hits"].get("call") or time.time() > deadline:
+            return report
+        time.sleep(0.5)
+
+
+def test_patched_server_answers_exactly_like_stock(server_factory, tiny_q4_dir, tmp_path):
+    with server_factory(tiny_q4_dir, args=("-X", "importtime")) as stock:
+        stock_answers = _answers(stock)
+        stock_log = stock.log()
+    assert "glm53_patches" not in stock_log  # -X importtime lists every module imported
+    assert all(stock_answers[0]) and len(set(stock_answers[0])) == len(PROMPTS)
+
+    with server_factory(tiny_q4_dir, env={"GLM53_PATCHES": "all"}) as patched:
+        patched_answers = _answers(patched)
+        report = _published(tmp_path / "state", patched.process.pid)
+        cli = subprocess.run([sys.executable, "-m", "glm53_patches.cli", "status", "--json"], capture_output=True,
+                             text=True, env={"GLM53_PATCHES_STATE_DIR": str(tmp_path / "state"), "PATH": ""})
+        log = patched.log()
+    assert patched_answers == stock_answers
+    assert "compiled_kda_decode: applied" in log
+    entry = report["patches"]["compiled_kda_decode"]
+    assert entry["state"] == "applied" and entry["stats"]["hits"]["call"] > 0
+    processes = json.loads(cli.stdout)["processes"]
+    assert [p["patches"]["compiled_kda_decode"]["state"] for p in processes if p["pid"] == patched.process.pid] == ["applied"]
+
+
+def test_bad_values_log_one_line_and_the_server_still_serves(server_factory, tiny_fp32_dir):
+    for env, variable in (({"GLM53_PATCHES": "bogus"}, "GLM53_PATCHES"),
+                          ({"GLM53_PATCH_COMPILED_KDA_DECODE": "maybe"}, "GLM53_PATCH_COMPILED_KDA_DECODE")):
+        with server_factory(tiny_fp32_dir, env=env) as server:
+            text, _ = server.chat(PROMPTS[2], max_tokens=8)
+            ours = [line for line in server.log().splitlines() if "glm53-patches" in line]
+        assert text
+        assert len(ours) == 1 and variable in ours[0] and "accepted" in ours[0], ours

@@ -1,0 +1,212 @@
+"""Apply / revert: declared targets, exact originals back, composition, drift, rollback."""
+
+import itertools
+import threading
+
+import pytest
+
+from glm53_patches import drift, registry
+from glm53_patches.hookspecs import hookimpl
+from glm53_patches.patch import GLM5_NEXT, Patch
+
+KDA_CALL = f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__"
+
+
+def _raw(target):
+    chain_owner, attr, _ = __import__("wrapt").resolve_path(*drift.split_target(target))
+    return chain_owner, attr, vars(chain_owner).get(attr)
+
+
+class _Plugin:
+    def __init__(self, *patches):
+        self.patches = list(patches)
+
+    @hookimpl
+    def glm53_patches(self):
+        return self.patches
+
+
+def counting_patch(name, target=KDA_CALL, **kwargs):
+    """A real patch that counts calls and delegates to whatever it wraps."""
+
+    def factory(inner):
+        def wrapper(*args, **kw):
+            patch.stats.hit()
+            return inner(*args, **kw)
+
+        return wrapper
+
+    patch = Patch(name=name, summary="counts calls", targets={target: factory}, **kwargs)
+    return patch
+
+
+@pytest.fixture
+def extra_plugins(monkeypatch):
+    """Register test-only plugins for one test, then forget them."""
+    monkeypatch.setattr(registry, "_extra_plugins", [])
+    monkeypatch.setattr(registry, "_plugins", None)
+
+    def add(*patches):
+        registry.register_plugin(_Plugin(*patches))
+        return patches
+
+    yield add
+    registry.revert()
+    registry._plugins = None
+
+
+def _originals():
+    targets = {t for p in registry.available().values() for t in p.targets}
+    return {t: _raw(t)[2] for t in targets}
+
+
+def _assert_restored(originals):
+    for target, original in originals.items():
+        assert _raw(target)[2] is original, target
+
+
+def test_every_patch_alone_applies_and_reverts_to_the_same_objects():
+    originals = _originals()
+    for name, patch in registry.available().items():
+        registry.apply([name], strict=True)
+        for target in patch.targets:
+            assert _raw(target)[2] is not originals[target]
+        registry.revert([name])
+        _assert_restored(originals)
+
+
+def test_all_patches_in_every_order(extra_plugins):
+    extra_plugins(counting_patch("probe_a"), counting_patch("probe_b"))
+    names = list(registry.available())
+    originals = _originals()
+    for order in itertools.permutations(names):
+        registry.apply(order, strict=True)
+        assert registry.applied() == list(order)
+        registry.revert(list(order[1::2]) + list(order[0::2]))  # interleaved revert order
+        _assert_restored(originals)
+
+
+def test_apply_is_idempotent():
+    name = next(iter(registry.available()))
+    registry.apply([name])
+    once = {t: _raw(t)[2] for t in registry.available()[name].targets}
+    registry.apply([name])
+    assert {t: _raw(t)[2] for t in once} == once
+
+
+def test_two_patches_on_one_method_both_engage(extra_plugins, tiny_fp32_dir):
+    import mlx.core as mx
+    from mlx_vlm.utils import load
+
+    first, second = extra_plugins(counting_patch("probe_a"), counting_patch("probe_b"))
+    model, _ = load(str(tiny_fp32_dir))
+    for order in (["probe_a", "probe_b", "compiled_kda_decode"], ["compiled_kda_decode", "probe_b", "probe_a"]):
+        registry.apply(order, strict=True)
+        kda = registry.available()["compiled_kda_decode"]
+        before = (first.stats.hits, second.stats.hits, kda.stats.hits)
+        cache = model.language_model.make_cache()
+        logits = model.language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits
+        for token in (5, 6):
+            logits = model.language_model(mx.array([[token]]), cache=cache).logits
+        mx.eval(logits)
+        after = (first.stats.hits, second.stats.hits, kda.stats.hits)
+        assert all(a > b for a, b in zip(after, before)), (order, before, after)
+        registry.revert(["probe_b"])  # the others still engage without it
+        mid = (first.stats.hits, kda.stats.hits)
+        mx.eval(model.language_model(mx.array([[7]]), cache=cache).logits)
+        assert first.stats.hits > mid[0] and kda.stats.hits > mid[1]
+        registry.revert()
+
+
+def test_partial_apply_rolls_back(extra_plugins):
+    originals = _originals()
+    good_then_bad = Patch(
+        name="half",
+        summary="second target does not exist",
+        targets={KDA_CALL: lambda inner: (lambda *a, **k: inner(*a, **k)),
+                 f"{GLM5_NEXT}:NoSuchClass.__call__": lambda inner: inner},
+    )
+    extra_plugins(good_then_bad)
+    result = registry.apply(["half"], force={"half"})
+    assert result["half"]["state"] == "error"
+    assert registry.applied() == []
+    _assert_restored(originals)
+    with pytest.raises(registry.PatchError):
+        registry.apply(["half"], force={"half"}, strict=True)
+
+
+def test_drift_refuses_unless_forced(extra_plugins, monkeypatch):
+    originals = _originals()
+    (probe,) = extra_plugins(counting_patch("probe_a"))
+    result = registry.apply(["probe_a"])  # its target is known, but only for compiled_kda_decode's entry
+    assert result["probe_a"]["state"] == "applied"
+    registry.revert()
+    monkeypatch.setattr(drift, "load_known", lambda: {})
+    result = registry.apply(["probe_a"])
+    assert result["probe_a"]["state"] == "drift" and "never verified" in result["probe_a"]["reason"]
+    _assert_restored(originals)
+    with pytest.raises(registry.PatchError):
+        registry.apply(["probe_a"], strict=True)
+    result = registry.apply(["probe_a"], force={"probe_a"})
+    assert result["probe_a"]["state"] == "applied" and result["probe_a"]["forced"]
+
+
+def test_revert_calls_on_revert(extra_plugins):
+    dropped = []
+    extra_plugins(counting_patch("probe_a", on_revert=lambda: dropped.append(True)))
+    registry.apply(["probe_a"])
+    registry.revert(["probe_a"])
+    assert dropped == [True]
+
+
+def test_concurrent_apply_and_revert_end_consistent(extra_plugins):
+    extra_plugins(counting_patch("probe_a"), counting_patch("probe_b"))
+    originals = _originals()
+    names = list(registry.available())
+
+    def churn(seed):
+        for i in range(30):
+            registry.apply([names[(seed + i) % len(names)]])
+            registry.revert([names[(seed + 2 * i) % len(names)]])
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    applied = registry.applied()
+    for target in originals:
+        chain = registry._chains.get(target)
+        assert (chain is None) == (not any(target in registry.available()[n].targets for n in applied))
+    registry.revert()
+    _assert_restored(originals)
+
+
+def test_environment_bad_value_applies_nothing(monkeypatch, caplog):
+    originals = _originals()
+    monkeypatch.setenv("GLM53_PATCHES", "all")
+    monkeypatch.setenv("GLM53_PATCH_COMPILED_KDA_DECODE", "maybe")
+    registry.from_environment()
+    assert registry.applied() == []
+    _assert_restored(originals)
+    monkeypatch.setenv("GLM53_PATCHES_STRICT", "1")
+    with pytest.raises(registry.PatchError, match="GLM53_PATCH_COMPILED_KDA_DECODE='maybe'"):
+        registry.from_environment()
+
+
+def test_environment_all_applies_every_exact_patch(monkeypatch):
+    monkeypatch.setenv("GLM53_PATCHES", "all")
+    report = registry.from_environment()
+    exact = [n for n, p in registry.available().items() if registry.covered_by_all(p)]
+    assert "compiled_kda_decode" in exact
+    assert sorted(registry.applied()) == sorted(exact)
+    assert all(report[n]["state"] == "applied" for n in exact)
+
+
+def test_status_is_published_for_other_processes(monkeypatch, tmp_path):
+    import json
+    import os
+
+    registry.apply(["compiled_kda_decode"])
+    published = json.loads((tmp_path / "state" / f"{os.getpid()}.json").read_text())
+    assert published["patches"]["compiled_kda_decode"]["state"] == "applied"
