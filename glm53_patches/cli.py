@@ -1,13 +1,14 @@
-"""glm53-patches: status | list | doctor | tiny-model | fingerprints."""
+"""glm53-patches: status | list | doctor | verify | tiny-model | fingerprints."""
 
 import argparse
 import json
 import os
 import site
 import sys
+import time
 from pathlib import Path
 
-from . import config, drift, pins
+from . import config, drift, pins, verify_records
 
 
 def _registry():
@@ -51,6 +52,9 @@ def _here(registry):
             "numerics": patch.numerics,
             "drift": problems or None,
             "verified_on": drift.verified_versions(patch.all_fingerprinted()),
+            "kernels_verified_here": {
+                b: verify_records.passed(name, b) for b in patch.kernel_backends
+            },
         }
     errors = settings.errors + config.unknown_name_errors(settings, patches)
     return {"environment_errors": errors, "plugin_errors": registry.status()["plugin_errors"], "patches": view}
@@ -121,6 +125,36 @@ def cmd_doctor(args):
     return 1 if problems else 0
 
 
+def cmd_verify(args):
+    """Run each patch's exactness check on this backend and record the result."""
+    registry = _registry()
+    patches = registry.available()
+    unknown = [n for n in args.patches if n not in patches]
+    if unknown:
+        print(f"unknown patch(es): {', '.join(unknown)}; patches: {', '.join(patches)}", file=sys.stderr)
+        return 2
+    backend = registry.backend()
+    failed = 0
+    print(f"{'patch':26} {'backend':8} {'result':24} time")
+    for name in args.patches or list(patches):
+        patch = patches[name]
+        if patch.verify is None:
+            print(f"{name:26} {backend:8} {'no check (nothing to verify)':24}")
+            continue
+        start = time.perf_counter()
+        try:
+            result = patch.verify()
+        except Exception as exc:
+            result = {"exact": False, "max_abs_diff": float("nan"), "cases": 0, "detail": f"check raised {exc!r}"}
+        seconds = time.perf_counter() - start
+        result = {**result, "passed": bool(result["exact"]), "seconds": round(seconds, 2), "date": time.strftime("%Y-%m-%d")}
+        verify_records.record(name, backend, result)
+        failed += not result["passed"]
+        verdict = "exact" if result["passed"] else f"FAILED (max |d| {result['max_abs_diff']:.3g})"
+        print(f"{name:26} {backend:8} {verdict:24} {seconds:.1f}s  {result['cases']} cases; {result['detail']}")
+    return 1 if failed else 0
+
+
 def cmd_tiny_model(args):
     from .tiny_model import write_tiny_model
 
@@ -153,6 +187,9 @@ def main(argv=None):
     status.set_defaults(run=cmd_status)
     commands.add_parser("list", help="the installed patches").set_defaults(run=cmd_list)
     commands.add_parser("doctor", help="check the installation").set_defaults(run=cmd_doctor)
+    verify = commands.add_parser("verify", help="run exactness checks on this machine's backend and record them")
+    verify.add_argument("patches", nargs="*")
+    verify.set_defaults(run=cmd_verify)
     tiny = commands.add_parser("tiny-model", help="write a small random-weight glm5_next checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None)

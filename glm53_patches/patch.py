@@ -28,6 +28,9 @@ class Patch:
     kernel_backends: Tuple[str, ...] = ()  # backends with custom kernels that need `verify`
     upstream: str = "not yet proposed"
     on_revert: Optional[Callable[[], None]] = None  # drop compiled functions and state
+    # Exactness check run by `glm53-patches verify` on this machine's backend:
+    # () -> {"exact": bool, "max_abs_diff": float, "cases": int, "detail": str}
+    verify: Optional[Callable[[], Dict]] = None
     stats: Stats = field(default_factory=Stats)
 
     @property
