@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE=1 GLM53_PATCHES="${GLM53_PATCHES:-all}"
 python -m mlx_vlm.server --model "$model" --host 127.0.0.1 --port "$PORT" &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
-python - "$PORT" <<'PY'
+python - "$PORT" "$model" <<'PY'
 import json, sys, time, urllib.request
 url = f"http://127.0.0.1:{sys.argv[1]}"
 for _ in range(240):
@@ -24,7 +24,7 @@ for _ in range(240):
         urllib.request.urlopen(url + "/v1/models", timeout=2); break
     except OSError:
         time.sleep(0.5)
-body = {"model": "default", "max_tokens": 24, "temperature": 0,
+body = {"model": sys.argv[2], "max_tokens": 24, "temperature": 0,
         "messages": [{"role": "user", "content": "Hello from glm53-patches!"}]}
 req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
 reply = json.load(urllib.request.urlopen(req, timeout=120))

@@ -14,7 +14,7 @@ PROBE = (
 )
 PATCHED = (
     "import mlx_vlm.models.glm5_next.language as L; "
-    "print(L.Glm5NextLinearAttention.__dict__['__call__'].__module__)"
+    "print(L.Glm5NextLinearAttention.__dict__['__call__'].__code__.co_filename)"
 )
 
 
@@ -40,7 +40,7 @@ def test_a_variable_loads_only_the_stdlib_bootstrap_and_wrapt():
 def test_patches_apply_when_upstream_imports_glm5_next(tmp_path):
     result = run(PATCHED, {"GLM53_PATCHES": "compiled_kda_decode", "GLM53_PATCHES_STATE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().startswith("glm53_patches.patches.compiled_kda_decode")
+    assert "glm53_patches/patches/compiled_kda_decode" in result.stdout
     assert "compiled_kda_decode: applied" in result.stderr
 
 
@@ -48,7 +48,7 @@ def test_bad_values_print_one_line_and_leave_stock_code(tmp_path):
     for env in ({"GLM53_PATCHES": "bogus"}, {"GLM53_PATCHES": "all", "GLM53_PATCH_COMPILED_KDA_DECODE": "maybe"}):
         result = run(PATCHED, {**env, "GLM53_PATCHES_STATE_DIR": str(tmp_path)})
         assert result.returncode == 0
-        assert result.stdout.strip() == "mlx_vlm.models.glm5_next.language"
+        assert result.stdout.strip().endswith("mlx_vlm/models/glm5_next/language.py")
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
         variable = next(iter(k for k in env if env[k] in ("bogus", "maybe")))

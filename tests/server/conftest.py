@@ -19,8 +19,8 @@ def _free_port():
 
 
 class Server:
-    def __init__(self, process, port, log_path):
-        self.process, self.port, self.log_path = process, port, log_path
+    def __init__(self, process, port, log_path, model_dir):
+        self.process, self.port, self.log_path, self.model = process, port, log_path, str(model_dir)
 
     @property
     def url(self):
@@ -30,7 +30,7 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def chat(self, content, max_tokens=24, stream=False):
-        body = {"model": "default", "messages": [{"role": "user", "content": content}],
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": max_tokens, "temperature": 0, "stream": stream}
         request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -62,7 +62,7 @@ def stock_server(model_dir, tmp_path, env_extra=None, args=()):
             [sys.executable, *args, "-m", "mlx_vlm.server", "--model", str(model_dir),
              "--host", "127.0.0.1", "--port", str(port)],
             env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(process, port, log_path)
+    server = Server(process, port, log_path, model_dir)
     try:
         deadline = time.time() + 240
         while True:

@@ -112,9 +112,11 @@ def test_two_patches_on_one_method_both_engage(extra_plugins, tiny_fp32_dir):
         after = (first.stats.hits, second.stats.hits, kda.stats.hits)
         assert all(a > b for a, b in zip(after, before)), (order, before, after)
         registry.revert(["probe_b"])  # the others still engage without it
-        mid = (first.stats.hits, kda.stats.hits)
+        mid = (first.stats.hits, second.stats.hits, kda.stats.hits)
+        cache = model.language_model.make_cache()  # prefill reaches the inner probe, decode the fast path
+        model.language_model(mx.array([[1, 2, 3]]), cache=cache)
         mx.eval(model.language_model(mx.array([[7]]), cache=cache).logits)
-        assert first.stats.hits > mid[0] and kda.stats.hits > mid[1]
+        assert first.stats.hits > mid[0] and kda.stats.hits > mid[2] and second.stats.hits == mid[1]
         registry.revert()
 
 
