@@ -70,7 +70,7 @@ def cmd_status(args):
         print(f"error: {error}")
     print("patch                      requested  upstream")
     for name, entry in report["here"]["patches"].items():
-        upstream = "verified" if not entry["drift"] else "DRIFT: " + "; ".join(entry["drift"].values())
+        upstream = "verified" if not entry["drift"] else "DRIFT: " + drift.summary(entry["drift"])
         print(f"{name:26} {'yes' if entry['requested'] else 'no':10} {upstream}")
     if not report["processes"]:
         print("no running process has applied patches")

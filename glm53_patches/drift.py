@@ -118,6 +118,13 @@ def check(targets: Iterable[str], known=None, root=None) -> Dict[str, str]:
     return problems
 
 
+def summary(problems: Dict[str, str], shown: int = 2) -> str:
+    """One short line for a log or a table; `status --json` has the full list."""
+    items = [f"{target.split(':')[-1]} ({problem})" for target, problem in problems.items()]
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return f"{len(items)} upstream object(s) differ from every verified mlx-vlm: " + "; ".join(items[:shown]) + more
+
+
 def verified_versions(targets: Iterable[str], known=None) -> List[str]:
     """Pinned versions on which every one of `targets` has a known fingerprint."""
     known = load_known() if known is None else known

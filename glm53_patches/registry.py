@@ -131,8 +131,8 @@ def _record(name: str, state: str, reason: str = "", **extra):
     _publish()
 
 
-def _refuse(name: str, state: str, reason: str, strict: bool):
-    _record(name, state, reason)
+def _refuse(name: str, state: str, reason: str, strict: bool, **extra):
+    _record(name, state, reason, **extra)
     message = f"{name}: {state}, stock code left running ({reason})"
     if strict:
         raise PatchError(message)
@@ -152,8 +152,7 @@ def apply(names, *, force=(), strict: bool = False) -> Dict[str, Dict]:
                 continue
             problems = drift.check(patch.all_fingerprinted())
             if problems and name not in force:
-                detail = "; ".join(f"{t}: {p}" for t, p in problems.items())
-                _refuse(name, "drift", f"upstream differs from every verified version: {detail}", strict)
+                _refuse(name, "drift", drift.summary(problems), strict, drift=problems)
                 continue
             done = []
             try:
