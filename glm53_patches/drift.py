@@ -7,6 +7,7 @@ every pinned mlx-vlm release straight from its wheel.
 """
 
 import ast
+import functools
 import hashlib
 import json
 import subprocess
@@ -81,6 +82,20 @@ def installed_root(package: str = "mlx_vlm") -> Optional[Path]:
     return Path(list(spec.submodule_search_locations)[0]).parent
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(path: str, mtime_ns: int, size: int) -> ast.Module:
+    """Parse each source file once (keyed by its stat), docstrings stripped."""
+    return _strip_docstrings(ast.parse(Path(path).read_text(encoding="utf-8")))
+
+
+def _fingerprint_file(path: Path, qualname: str) -> Optional[str]:
+    stat = path.stat()
+    node = _find(_parsed(str(path), stat.st_mtime_ns, stat.st_size), qualname)
+    if node is None:
+        return None
+    return hashlib.sha256(ast.dump(node, include_attributes=False).encode()).hexdigest()[:16]
+
+
 def fingerprint(target: str, root: Optional[Path] = None) -> Optional[str]:
     module, qualname = split_target(target)
     if root is None:
@@ -95,7 +110,7 @@ def fingerprint(target: str, root: Optional[Path] = None) -> Optional[str]:
         path = module_path(root, module)
     if not path.is_file():
         return None
-    return fingerprint_source(path.read_text(encoding="utf-8"), qualname)
+    return _fingerprint_file(path, qualname)
 
 
 def load_known() -> Dict[str, Dict[str, List[str]]]:

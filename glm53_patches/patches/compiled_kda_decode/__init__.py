@@ -1,0 +1,76 @@
+"""compiled_kda_decode: a KDA mixer decode step as one mx.compile'd graph.
+
+The implementation lives in ``step.py`` and is imported on first use, so
+discovering this plugin imports neither mlx nor mlx-vlm.
+"""
+
+import sys
+
+from glm53_patches.hookspecs import hookimpl
+from glm53_patches.patch import GLM5_NEXT, Patch
+
+_CACHE = "mlx_vlm.models.cache:ArraysCache"
+_GATED = "mlx_vlm.models.gated_delta"
+
+
+def _make_call(original):
+    from .step import make_call
+
+    return make_call(original)
+
+
+def _verify():
+    from .verify import verify
+
+    return verify()
+
+
+def _on_revert():
+    step = sys.modules.get(f"{__name__}.step")
+    if step is not None:
+        step.clear()
+
+
+PATCH = Patch(
+    name="compiled_kda_decode",
+    summary=(
+        "Single-token decode of Glm5NextLinearAttention (KDA) runs as one "
+        "mx.compile'd graph (projections, short conv, norms, safe gate, "
+        "delta-rule step, gated output norm); bit-identical to stock."
+    ),
+    targets={f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__": _make_call},
+    relies_on=(
+        f"{GLM5_NEXT}:Glm5NextLinearAttention.__init__",
+        f"{GLM5_NEXT}:ShortConv1d.__init__",
+        f"{GLM5_NEXT}:ShortConv1d.__call__",
+        f"{GLM5_NEXT}:Glm5NextTextModel.__call__",
+        "mlx_vlm.models.linear:linear",
+        f"{_GATED}:gated_delta_update",
+        f"{_GATED}:compute_g_safe",
+        f"{_GATED}:compute_g",
+        f"{_GATED}:gated_delta_ops",
+        f"{_GATED}:_gated_delta_step_ops",
+        f"{_GATED}:gated_delta_kernel",
+        f"{_CACHE}.update_window",
+        f"{_CACHE}.update_recurrent",
+        f"{_CACHE}.advance",
+        f"{_CACHE}.make_mask",
+        f"{_CACHE}.is_speculating",
+        f"{_CACHE}.lengths",
+        f"{_CACHE}.__setitem__",
+    ),
+    numerics="exact",
+    # No hand-written kernels, but mx.compile emits backend-specific fused
+    # kernels (math mode, FMA contraction, constant printing): the CPU is
+    # covered by tests/numerics; a GPU backend joins GLM53_PATCHES=all only
+    # after `glm53-patches verify compiled_kda_decode` passed on it.
+    kernel_backends=("metal", "cuda"),
+    upstream="not yet proposed",
+    on_revert=_on_revert,
+    verify=_verify,
+)
+
+
+@hookimpl
+def glm53_patches():
+    return [PATCH]

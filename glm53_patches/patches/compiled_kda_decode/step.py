@@ -1,0 +1,237 @@
+"""One compiled graph for a KDA (Glm5NextLinearAttention) single-token decode step.
+
+Stock decode builds ~90 small lazy ops per KDA layer and token. Here the whole
+mixer is one ``mx.compile``d pure function
+
+    (x, conv window, recurrent state, weights, scales[, mask])
+        -> (output, new conv window, new recurrent state)
+
+whose body repeats the stock ops in the stock order (``mixer`` in ``_build``).
+Weights and the Python-float scales are *inputs*, never captured constants:
+one trace serves every layer with the same configuration and shapes, a weight
+update is seen without retracing, and no scale is printed into kernel source.
+The cache is then updated exactly as stock leaves it.
+"""
+
+import copy
+import functools
+import weakref
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_vlm.models.cache import ArraysCache
+from mlx_vlm.models.glm5_next import language as _lang
+
+from . import PATCH
+
+stats = PATCH.stats
+
+# (layer configuration, mask or not) -> mx.compile'd mixer. Inside each entry
+# mx.compile keeps one trace per input shapes/dtypes (e.g. per batch size).
+_COMPILED = {}
+# id(attention module) -> (weakref to it, weakrefs to its leaves, configuration).
+_CONFIGS = {}
+_SCALARS = (bool, int, float, str, type(None))
+_FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def _leaves(attn):
+    """The modules whose parameters the mixer reads (a Module is a dict of its children)."""
+    return (
+        attn["qkv_proj"],
+        attn["qkv_conv"]["conv"],
+        attn["fbg_a_proj"],
+        attn["f_b_proj"],
+        attn["g_b_proj"],
+        attn["o_norm"],
+        attn["o_proj"],
+    )
+
+
+def _configuration(attn, leaves):
+    """Everything static the trace depends on, besides input shapes and dtypes."""
+
+    def leaf(module):  # class, parameter names, and e.g. bits/group_size/mode/eps
+        settings = sorted((k, v) for k, v in vars(module).items() if k[0] != "_" and isinstance(v, _SCALARS))
+        return type(module), tuple(module), tuple(settings)
+
+    return (
+        tuple(leaf(m) for m in leaves),
+        attn.num_heads,
+        attn.head_dim,
+        attn.qkv_conv.kernel_size,
+        attn.lower_bound,
+        # Helpers are looked up where stock looks them up; if another patch
+        # replaces one, this layer gets a fresh trace instead of a stale one.
+        _lang.linear,
+        _lang.gated_delta_update,
+    )
+
+
+def _cached_configuration(attn, leaves):
+    """``_configuration`` memoized per live module, validated by identity."""
+    entry = _CONFIGS.get(id(attn))
+    if (
+        entry is not None
+        and entry[0]() is attn
+        and all(ref() is leaf for ref, leaf in zip(entry[1], leaves))
+        and entry[2][-2] is _lang.linear
+        and entry[2][-1] is _lang.gated_delta_update
+    ):
+        return entry[2]
+    key = id(attn)
+    configuration = _configuration(attn, leaves)
+    _CONFIGS[key] = (
+        weakref.ref(attn, lambda _, key=key: _CONFIGS.pop(key, None)),
+        tuple(weakref.ref(leaf) for leaf in leaves),
+        configuration,
+    )
+    return configuration
+
+
+def _bind(skeleton, params):
+    """A copy of a parameter-free module with ``params`` (traced arrays) as parameters."""
+    clone = copy.copy(skeleton)
+    dict.update(clone, params)
+    return clone
+
+
+def _build(attn, leaves, has_mask):
+    """mx.compile the mixer for one layer configuration (it traces on first call)."""
+    skeletons = tuple(copy.copy(m) for m in leaves)
+    for skeleton in skeletons:
+        dict.clear(skeleton)  # keep the class and settings, hold no weights
+    num_heads, head_dim = attn.num_heads, attn.head_dim
+    keep = attn.qkv_conv.kernel_size - 1
+    lower_bound = attn.lower_bound
+    linear, gated_delta_update = _lang.linear, _lang.gated_delta_update
+
+    def mixer(x, window, state, params, A_log, dt_bias, scales, mask=None):
+        stats.hit("trace")  # Python runs only while mx.compile traces
+        qkv_proj, conv, fbg_a_proj, f_b_proj, g_b_proj, o_norm, o_proj = map(_bind, skeletons, params)
+        # -- Glm5NextLinearAttention.__call__ (L == 1, not training) --
+        batch, length, _ = x.shape
+        if mask is not None:  # bool, checked by the caller
+            x = mx.where(mask[..., None], x, 0)
+        qkv = linear(qkv_proj, x)
+        # -- ShortConv1d.__call__ with cache[0] --
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([window, qkv], axis=1)
+        qkv = nn.silu(conv(conv_input))
+        new_window = mx.contiguous(conv_input[:, 1 : 1 + keep])  # = update_window(0, ...)
+        # -- back in Glm5NextLinearAttention.__call__ --
+        shape = (batch, length, num_heads, head_dim)
+        q, k, v = (value.reshape(shape) for value in mx.split(qkv, 3, axis=-1))
+        eps = 1e-6 / head_dim
+        # Stock multiplies by Python floats, which MLX rounds float64 -> float32
+        # -> the operand's dtype. The inputs are float32, so cast them the same
+        # way (without the cast a bf16 q would be promoted to float32).
+        scale_sq, scale = (s.astype(q.dtype) for s in scales)
+        q = scale_sq * mx.fast.rms_norm(q, None, eps)
+        k = scale * mx.fast.rms_norm(k, None, eps)
+        f_a, b, g_a = mx.split(
+            linear(fbg_a_proj, x),
+            (head_dim, head_dim + num_heads),
+            axis=-1,
+        )
+        a = linear(f_b_proj, f_a).reshape(shape)
+        b = b.reshape(batch, length, num_heads)
+        # What ArraysCache.update_recurrent(1, ...) runs, with the state passed in.
+        # Same function as stock, so the kernel/ops choice matches on every backend.
+        output, new_state = gated_delta_update(
+            q,
+            k,
+            v,
+            a,
+            b,
+            A_log.reshape(num_heads, 1),
+            dt_bias.reshape(num_heads, head_dim),
+            state=state,
+            mask=mask,
+            use_kernel=True,  # = not self.training
+            lower_bound=lower_bound,
+            state_steps=None,
+        )
+        gate = linear(g_b_proj, g_a).reshape(shape)
+        output = (o_norm(output) * mx.sigmoid(gate)).reshape(batch, length, -1)
+        return linear(o_proj, output), new_window, new_state
+
+    if has_mask:
+        return mx.compile(mixer)
+    return mx.compile(functools.partial(mixer, mask=None))
+
+
+@functools.lru_cache(maxsize=64)
+def _scales(scale):
+    return mx.array(scale**2, dtype=mx.float32), mx.array(scale, dtype=mx.float32)
+
+
+def _why_not(attn, x, mask, cache):
+    """The reason to run stock code, or None when the fast path applies."""
+    if x.ndim != 3 or x.shape[1] != 1:
+        return "length"
+    if attn.training:
+        return "training"
+    if cache is None:
+        return "no cache"
+    if type(cache) is not ArraysCache or len(cache.cache) != 2:  # a subclass may record more
+        return "cache type"
+    window, state = cache.cache
+    if window is None or state is None:
+        return "no state"
+    if cache.is_speculating:  # stock records per-token history for rollback
+        return "speculating"
+    if cache.lengths is not None:  # ragged rows: update_window gathers per row
+        return "ragged"
+    batch = x.shape[0]
+    if mask is not None and (mask.dtype != mx.bool_ or mask.shape != (batch, 1)):
+        return "mask"
+    if x.dtype not in _FLOATS or window.dtype not in _FLOATS or state.dtype not in _FLOATS:
+        return "dtype"
+    channels = 3 * attn.projection_dim
+    if window.shape != (batch, attn.qkv_conv.kernel_size - 1, channels):
+        return "shape"
+    if state.shape != (batch, attn.num_heads, attn.head_dim, attn.head_dim):
+        return "shape"
+    return None
+
+
+def make_call(original):
+    """The replacement for ``Glm5NextLinearAttention.__call__``."""
+
+    @functools.wraps(original)
+    def __call__(self, x, mask=None, cache=None):
+        reason = _why_not(self, x, mask, cache)
+        if reason is not None:
+            stats.fallback(reason)
+            return original(self, x, mask, cache)
+        leaves = _leaves(self)
+        key = (_cached_configuration(self, leaves), mask is not None)
+        fn = _COMPILED.get(key)
+        if fn is None:
+            fn = _COMPILED[key] = _build(self, leaves, mask is not None)
+        params = [dict(m) for m in leaves]
+        args = (x, cache[0], cache[1], params, self.A_log, self.dt_bias, _scales(self.scale))
+        output, window, state = fn(*args) if mask is None else fn(*args, mask)
+        # What stock leaves in a non-speculating cache without lengths:
+        # update_window(0, ...), update_recurrent(1, ...), advance(1).
+        cache[0] = window
+        cache[1] = state
+        cache.advance(1)
+        stats.hit()
+        return output
+
+    return __call__
+
+
+def clear():
+    """Drop every compiled function and memo (the patch's on_revert)."""
+    _COMPILED.clear()
+    _CONFIGS.clear()
+    _scales.cache_clear()
+
+
+def compiled_count():
+    return len(_COMPILED)
