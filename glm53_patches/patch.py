@@ -27,10 +27,12 @@ class Patch:
     numerics: str = "exact"  # "exact" or "changing"
     kernel_backends: Tuple[str, ...] = ()  # backends with custom kernels that need `verify`
     upstream: str = "not yet proposed"
+    in_all: bool = True  # False: a trade-off that GLM53_PATCHES=all must not make for the user
     on_revert: Optional[Callable[[], None]] = None  # drop compiled functions and state
     # Exactness check run by `glm53-patches verify` on this machine's backend:
     # () -> {"exact": bool, "max_abs_diff": float, "cases": int, "detail": str}
     verify: Optional[Callable[[], Dict]] = None
+    report: Optional[Callable[[], str]] = None  # extra detail for `status`
     stats: Stats = field(default_factory=Stats)
 
     @property

@@ -202,7 +202,7 @@ def applied() -> List[str]:
 
 def covered_by_all(patch: Patch) -> bool:
     """GLM53_PATCHES=all turns on exact patches whose kernels were verified here."""
-    if patch.numerics != "exact":
+    if patch.numerics != "exact" or not patch.in_all:
         return False
     here = backend()
     if here not in patch.kernel_backends:
@@ -238,6 +238,8 @@ def _why_not(settings, patch):
     if settings.overrides.get(patch.name) is False:
         return f"{patch.env_var}=0"
     if settings.requested == "all" and not covered_by_all(patch):
+        if not patch.in_all:
+            return "a trade-off, not part of 'all': enable it by name"
         if patch.numerics != "exact":
             return "numerics-changing: not part of 'all'; enable it by name"
         return f"kernels not verified on {backend()} here: run `glm53-patches verify {patch.name}` or enable it by name"
@@ -282,6 +284,8 @@ def status() -> Dict:
                 "targets": list(patch.targets),
                 "stats": patch.stats.snapshot(),
             }
+            if patch.report is not None:
+                entry["detail"] = patch.report()
             entry.update(_outcomes.get(name, {}))
             report[name] = entry
         return {
