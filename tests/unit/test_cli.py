@@ -1,0 +1,50 @@
+"""The glm53-patches command, run as a real process."""
+
+import json
+import os
+import subprocess
+import sys
+
+from glm53_patches import verify_records
+
+
+def cli(*args, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "glm53_patches.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_list_names_every_patch_with_its_switch():
+    out = cli("list").stdout
+    assert "compiled_kda_decode  [exact]  GLM53_PATCH_COMPILED_KDA_DECODE" in out
+    assert "replaces mlx_vlm.models.glm5_next.language:Glm5NextLinearAttention.__call__" in out
+
+
+def test_doctor_passes_on_a_pinned_install_and_reports_bad_values():
+    good = cli("doctor")
+    assert good.returncode == 0, good.stdout
+    assert "bootstrap .pth:" in good.stdout and "MISSING" not in good.stdout and "pinned" in good.stdout
+    bad = cli("doctor", env_extra={"GLM53_PATCHES": "bogus"})
+    assert bad.returncode == 1 and "unknown patch 'bogus'" in bad.stdout
+
+
+def test_verify_records_a_pass_that_status_and_all_read():
+    result = cli("verify", "compiled_kda_decode")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "compiled_kda_decode" in result.stdout and "exact" in result.stdout
+    assert verify_records.passed("compiled_kda_decode", "cpu")
+    status = json.loads(cli("status", "--json").stdout)
+    entry = status["here"]["patches"]["compiled_kda_decode"]
+    assert entry["drift"] is None and "0.7.10" in entry["verified_on"]
+
+
+def test_verify_unknown_patch_is_an_error():
+    result = cli("verify", "bogus")
+    assert result.returncode == 2 and "unknown patch(es): bogus" in result.stderr
+
+
+def test_tiny_model_command_writes_a_loadable_checkpoint(tmp_path):
+    result = cli("tiny-model", str(tmp_path / "m"), "--quantize-bits", "8")
+    assert result.returncode == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8
