@@ -57,13 +57,30 @@ def _find(tree: ast.Module, qualname: str):
     return scope
 
 
+def _canonical(value) -> str:
+    """Like ast.dump, but stable across Python versions: fields that are empty
+    or None are left out, since newer Pythons add such fields (3.12's
+    `type_params`) to nodes that older ones dump without them."""
+    if isinstance(value, ast.AST):
+        fields = [
+            f"{name}={_canonical(field)}"
+            for name, field in ast.iter_fields(value)
+            if field is not None and field != []
+        ]
+        return f"{type(value).__name__}({','.join(fields)})"
+    if isinstance(value, list):
+        return "[" + ",".join(_canonical(item) for item in value) + "]"
+    return repr(value)
+
+
+def _digest(node) -> str:
+    return hashlib.sha256(_canonical(node).encode()).hexdigest()[:16]
+
+
 def fingerprint_source(source: str, qualname: str) -> Optional[str]:
     """Fingerprint `qualname` in a module's source text; None if it is absent."""
     node = _find(ast.parse(source), qualname)
-    if node is None:
-        return None
-    dumped = ast.dump(_strip_docstrings(node), include_attributes=False)
-    return hashlib.sha256(dumped.encode()).hexdigest()[:16]
+    return None if node is None else _digest(_strip_docstrings(node))
 
 
 def module_path(root: Path, module: str) -> Path:
@@ -91,9 +108,7 @@ def _parsed(path: str, mtime_ns: int, size: int) -> ast.Module:
 def _fingerprint_file(path: Path, qualname: str) -> Optional[str]:
     stat = path.stat()
     node = _find(_parsed(str(path), stat.st_mtime_ns, stat.st_size), qualname)
-    if node is None:
-        return None
-    return hashlib.sha256(ast.dump(node, include_attributes=False).encode()).hexdigest()[:16]
+    return None if node is None else _digest(node)
 
 
 def fingerprint(target: str, root: Optional[Path] = None) -> Optional[str]:

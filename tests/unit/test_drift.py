@@ -37,3 +37,15 @@ def test_shipped_fingerprints_cover_every_target_on_every_pin():
 def test_installed_upstream_matches_a_shipped_fingerprint():
     for patch in registry.available().values():
         assert drift.check(patch.all_fingerprinted()) == {}, patch.name
+
+
+def test_fields_a_newer_python_adds_empty_do_not_count():
+    """Python 3.12 added FunctionDef.type_params ([] when unused); fingerprints must not move."""
+    import ast
+
+    node = ast.parse(SOURCE).body[0].body[0]
+
+    newer_class = type("FunctionDef", (ast.FunctionDef,), {"_fields": ast.FunctionDef._fields + ("type_params",)})
+    newer = newer_class(**{f: getattr(node, f) for f in ast.FunctionDef._fields}, type_params=[])
+    assert ast.dump(newer) != ast.dump(node)
+    assert drift._digest(newer) == drift._digest(node)
