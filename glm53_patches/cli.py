@@ -1,4 +1,4 @@
-"""glm53-patches: status | list | doctor | verify | tiny-model | fingerprints."""
+"""glm53-patches: status | list | doctor | verify | bench | tiny-model | fingerprints."""
 
 import argparse
 import json
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import config, drift, pins, verify_records
+from . import bench, config, drift, pins, verify_records
 
 
 def _registry():
@@ -190,6 +190,7 @@ def main(argv=None):
     verify = commands.add_parser("verify", help="run exactness checks on this machine's backend and record them")
     verify.add_argument("patches", nargs="*")
     verify.set_defaults(run=cmd_verify)
+    bench.add_parser(commands)
     tiny = commands.add_parser("tiny-model", help="write a small random-weight glm5_next checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None)

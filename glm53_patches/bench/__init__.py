@@ -1,0 +1,173 @@
+"""glm53-patches bench: stock vs patch sets on a synthetic GLM-5.3-Flash, in one process.
+
+Builds random quantized weights at the real widths (or ``--small``), switches
+patch sets in-process (enable/disable), times them interleaved (A B, B A, ...),
+checks that exact arms give bit-identical logits and the same greedy tokens as
+stock, and writes a JSON file, a PNG chart and a table. Progress goes to stderr.
+"""
+
+import argparse
+import datetime
+import signal
+import sys
+
+SMALL_DEFAULTS = dict(layers=8, experts=8, dtype="float32", contexts="16,256", prefill="16,64",
+                      rounds=2, steps=8, warmup=2, check_steps=4)
+REAL_DEFAULTS = dict(layers=45, experts="auto", dtype="bfloat16", contexts="256,4096", prefill="128,512",
+                     rounds=3, steps=24, warmup=4, check_steps=8)
+
+
+def add_arguments(parser):
+    from .sections import SECTIONS
+
+    a = parser.add_argument
+    a("--small", action="store_true", help="tiny widths, fp32 activations: runs on a laptop CPU in under a minute")
+    a("--layers", type=int, help="decoder layers (default 45; --small 8)")
+    a("--experts", help="routed experts per MoE layer, or 'auto' (default: what fits, at most 64)")
+    a("--dtype", choices=("bfloat16", "float32"), help="activation dtype (default bfloat16; --small float32)")
+    a("--arms", default="stock,each,all",
+      help="comma list: stock, a patch name, a+b, 'each' (every patch alone), 'all' (every patch)")
+    a("--contexts", help="decode context lengths, short,long (default 256,4096; --small 16,256)")
+    a("--prefill", help="prefill prompt lengths (default 128,512; --small 16,64; '' skips)")
+    a("--rounds", type=int, help="interleaved rounds per measurement (default 3)")
+    a("--steps", type=int, help="timed steps per round (default 24)")
+    a("--warmup", type=int, help="untimed steps per round before timing (default 4)")
+    a("--prefill-rounds", type=int, help="interleaved rounds for prefill (default: --rounds)")
+    a("--check-steps", type=int, help="greedy steps compared bit for bit with stock (default 8)")
+    a("--sections", default=",".join(SECTIONS), help=f"which, in order (default {','.join(SECTIONS)})")
+    a("--budget-s", type=float, help="stop starting new sections/rounds after this many seconds")
+    a("--force", action="store_true", help="apply patches even where the drift guard refuses them (noted)")
+    a("--seed", type=int, default=0)
+    a("--out", default="glm53-bench.json", help="JSON path (the PNG goes beside it)")
+    a("--no-png", action="store_true")
+    a("--from-json", metavar="PATH", help="measure nothing: print the table of a saved run and redraw its PNG")
+    a("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _finish_args(args):
+    defaults = SMALL_DEFAULTS if args.small else REAL_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
+    args.contexts, args.prefill = ints(args.contexts), ints(args.prefill)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    args.prefill_rounds = args.prefill_rounds or args.rounds
+    return args
+
+
+def replot(path, png=True):
+    import json
+
+    from . import report
+
+    with open(path) as f:
+        results = json.load(f)
+    results["verdicts"] = report.verdicts(results)
+    print(report.table(results))
+    if png:
+        note = report.write_png(results, (path[:-5] if path.endswith(".json") else path) + ".png")
+        print(f"note: {note}" if note else f"redrew the PNG beside {path}")
+    return 0
+
+
+def run(args):
+    if args.from_json:
+        return replot(args.from_json, not args.no_png)
+    import mlx.core as mx
+
+    from .. import registry
+    from . import measure, report, sections, synthetic
+
+    args = _finish_args(args)
+    unknown = [s for s in args.sections if s not in sections.SECTIONS]
+    if unknown:
+        print(f"unknown sections: {', '.join(unknown)} (know {', '.join(sections.SECTIONS)})", file=sys.stderr)
+        return 2
+    progress = measure.Progress(args.quiet)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still gets the JSON and PNG
+    synthetic.import_language()
+    dtype = getattr(mx, args.dtype)
+    preset = "small" if args.small else "real"
+    config = synthetic.text_config(preset, layers=args.layers)
+    experts = (synthetic.auto_experts(config, dtype_bytes=dtype.size) if args.experts == "auto"
+               else int(args.experts))
+    config = synthetic.text_config(preset, layers=args.layers, experts=experts)
+    progress(f"building {preset} model: {config.num_hidden_layers} layers, {experts} experts, {args.dtype}")
+    arms = measure.Arms(args.arms, progress, force=args.force)
+    model = synthetic.build(config, dtype=dtype, seed=args.seed, progress=progress)
+    weights = synthetic.decode_bytes(model, config)
+    kda_layers = config.layer_types.count("linear_attention")
+    state = kda_layers * (config.linear_num_heads * config.linear_head_dim ** 2 * 4)
+    results = {
+        "schema": "glm53-bench/1",
+        "date": datetime.date.today().isoformat(),
+        "argv": sys.argv,
+        "device": {"backend": registry.backend(), **{k: str(v) for k, v in mx.device_info().items()},
+                   "mlx": registry._version("mlx"), "mlx_vlm": registry._version("mlx-vlm")},
+        "model": {
+            "preset": preset, "layers": config.num_hidden_layers, "kda_layers": kda_layers,
+            "dsa_layers": config.num_hidden_layers - kda_layers, "hidden_size": config.hidden_size,
+            "experts": experts, "top_k": config.num_experts_per_tok, "dtype": args.dtype,
+            "quantization": {"routed experts": 4, "KDA projections": 8, "other Linear/MultiLinear/embedding/lm_head": 6,
+                             "group_size": synthetic.GROUP, "mode": "affine",
+                             "unquantized": "router, hyper-connections, norms, conv, A_log, dt_bias, index_kpool_compress"},
+            "active_memory_after_build": mx.get_active_memory(),
+            "note": (f"{experts} routed experts per MoE layer instead of {synthetic.REAL_EXPERTS}: a decode token "
+                     f"reads only its top-{config.num_experts_per_tok}, so the weight bytes per token are the same "
+                     "(the router alone is smaller)"),
+        },
+        "bytes_per_token": {"weights": weights["total"], "by_category": weights["by_category"],
+                            "weights_with_288_experts": weights["total_with_288_experts"], "kda_state": 2 * state,
+                            "kda_state_note": "KDA recurrent state (fp32) read and written per token"},
+        "arms": arms.state, "correctness": {}, "peak_memory": {"after_build": mx.get_peak_memory()},
+        "graph_primitives": {}, "skipped": [], "notes": list(arms.notes),
+        "sections": args.sections, "options": {k: v for k, v in vars(args).items() if k != "run"},
+    }
+    results["notes"].append("decode contexts start from caches filled with random data (no prefill)")
+    png = None if args.no_png else (args.out[:-5] if args.out.endswith(".json") else args.out) + ".png"
+
+    def save():
+        for label in arms.labels:
+            results["arms"][label]["counters"] = dict(arms.counters[label])
+        results["verdicts"] = report.verdicts(results)
+        results["elapsed_s"] = progress.elapsed()
+        report.write_json(results, args.out)
+
+    bench = sections.Bench(args, model, config, arms, progress, save)
+    bench.results = results
+    try:
+        for name in args.sections:
+            if bench.runner.past_deadline():
+                results["skipped"].append(f"{name}: time budget spent")
+                continue
+            progress(f"section {name}")
+            getattr(bench, name)()
+            save()
+    finally:
+        arms.close()
+        save()
+        if png:
+            note = report.write_png(results, png)
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+                png = None
+    print(report.table(results))
+    print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    wrong = [l for l, v in results["verdicts"].items() if v.startswith("WRONG")]
+    return 1 if wrong else 0
+
+
+def add_parser(subparsers):
+    """Register ``bench`` on the glm53-patches command line."""
+    parser = subparsers.add_parser("bench", help="benchmark stock vs patch sets on a synthetic model",
+                                   description=__doc__)
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="glm53-patches bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

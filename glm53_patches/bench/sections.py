@@ -1,0 +1,214 @@
+"""The bench's sections: what is measured, on which layer, from which state."""
+
+import time
+
+import mlx.core as mx
+
+from . import measure, synthetic
+
+SECTIONS = ("bandwidth", "kda", "decode", "graph", "dsa", "moe", "prefill")
+
+
+class Bench:
+    def __init__(self, args, model, config, arms, progress, save):
+        self.args, self.model, self.config, self.arms = args, model, config, arms
+        self.progress, self.save = progress, save
+        deadline = time.monotonic() + (args.budget_s or 1e9)
+        self.runner = measure.Runner(arms, progress, deadline)
+        self.dtype = model.lm_head.scales.dtype if hasattr(model, "lm_head") else mx.float32
+        self.results = None  # set by the caller
+        self._contexts = {}
+        layers = model.model.layers
+        moe = [i for i, l in enumerate(layers) if type(l.mlp).__name__ == "Glm5NextMoE"]
+        self.kda_index = next((i for i in moe if layers[i].is_linear),
+                              next(i for i, l in enumerate(layers) if l.is_linear))
+        dsa = [i for i, l in enumerate(layers) if not l.is_linear and l.self_attn.indexer is not None]
+        self.dsa_index = next((i for i in dsa if i in moe), dsa[0] if dsa else None)
+        self.moe_index = self.kda_index if self.kda_index in moe else (moe[0] if moe else None)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def context(self, tokens):
+        if tokens not in self._contexts:
+            self.progress(f"filling caches at a {tokens}-token context (random contents)")
+            self.arms.release()
+            self._contexts[tokens] = synthetic.context_caches(self.model, tokens, self.dtype, seed=self.args.seed)
+        return self._contexts[tokens]
+
+    def _inputs(self, shape, n=16, salt=0):
+        key = mx.random.key(self.args.seed * 31 + salt)
+        xs = [mx.random.normal(shape, key=k).astype(self.dtype) for k in mx.random.split(key, n)]
+        mx.eval(xs)
+        return xs
+
+    def _run(self, group, name, workload, steps=None, warmup=None, check_steps=None, rounds=None):
+        a = self.args
+        check = self.runner.check(workload, check_steps or max(a.check_steps, 1))
+        timed = self.runner.timed(workload, rounds or a.rounds, a.warmup if warmup is None else warmup,
+                                  a.steps if steps is None else steps)
+        timed["check"] = check
+        for label, verdict in check.items():
+            self.results["correctness"].setdefault(label, {})[f"{group}.{name}"] = verdict
+            if "timed_tokens_match_stock" in timed["arms"][label]:
+                verdict["timed_tokens_match"] = timed["arms"][label]["timed_tokens_match_stock"]
+        self.results.setdefault(group, {})[name] = timed
+        self.results["peak_memory"][f"{group}.{name}"] = {l: e["peak_memory"] for l, e in timed["arms"].items()}
+        return timed
+
+    # -- sections ----------------------------------------------------------------------
+
+    def bandwidth(self):
+        on_gpu = mx.default_device() == mx.gpu
+        probe = measure.bandwidth(on_gpu, self.config, self.dtype, small=self.args.small)
+        self.results["bandwidth"] = probe
+        weights = self.results["bytes_per_token"]["weights"]
+        self.results["floor_ms"] = {"copy": weights / (probe["copy_GBps"] * 1e9) * 1e3,
+                                    "matvec": weights / (probe["matvec_GBps"] * 1e3 * 1e6) * 1e3}
+        self.progress(f"bandwidth: copy {probe['copy_GBps']:.1f} GB/s, 8-bit matvec {probe['matvec_GBps']:.1f} GB/s")
+
+    def kda(self):
+        from mlx_vlm.models.cache import ArraysCache
+
+        layer = self.model.model.layers[self.kda_index]
+        c = self.config
+        streams = self._inputs((1, 1, c.hc_mult, c.hidden_size), salt=1)
+        flat = self._inputs((1, 1, c.hidden_size), salt=2)
+
+        def make():
+            return {"cache": ArraysCache(size=2)}
+
+        def whole(s, i):
+            out, _ = layer(streams[i % len(streams)], None, s["cache"], None)
+            mx.eval(out, synthetic.cache_arrays(s["cache"]))
+            return [out]
+
+        def attention(s, i):
+            out = layer.self_attn(flat[i % len(flat)], None, s["cache"])
+            mx.eval(out, synthetic.cache_arrays(s["cache"]))
+            return [out]
+
+        final = lambda s: synthetic.cache_arrays(s["cache"])  # noqa: E731
+        self._run("layers", "kda_layer", measure.Workload(f"KDA layer {self.kda_index}", make, whole, final))
+        self._run("layers", "kda_attention",
+                  measure.Workload(f"KDA attention {self.kda_index}", make, attention, final))
+
+    def _decode_workload(self, tokens):
+        model = self.model
+
+        def make():
+            return {"cache": synthetic.clone_cache(self.context(tokens)), "token": mx.array([[1]], dtype=mx.int32)}
+
+        def step(s, i):
+            logits = model(s["token"], cache=s["cache"]).logits[:, -1, :]
+            y = mx.argmax(logits, axis=-1)
+            mx.eval(y, logits)
+            s["token"] = y[:, None]
+            return [logits, y]
+
+        def final(s):
+            return synthetic.cache_arrays(s["cache"])
+
+        return measure.Workload(f"decode ctx {tokens}", make, step, final, token=lambda arrays: arrays[1].item())
+
+    def decode(self):
+        for tokens in self.args.contexts:
+            if self.runner.past_deadline():
+                self.results["skipped"].append(f"decode at {tokens}: time budget spent")
+                continue
+            workload = self._decode_workload(tokens)
+            timed = self._run("decode", str(tokens), workload)
+            timed["context"] = tokens
+            state = synthetic.cache_arrays(
+                [c for c, l in zip(self.context(tokens), self.model.model.layers) if l.is_linear])
+            timed["kda_state_bytes"] = sum(a.nbytes for a in state)
+            timed["cache_bytes"] = sum(a.nbytes for a in synthetic.cache_arrays(self.context(tokens)))
+            self.save()
+
+    def graph(self):
+        tokens = max(self.args.contexts)
+        counts = self.results["graph_primitives"]
+        workloads = [("decode_step", self._decode_workload(tokens))]
+        for label in self.arms.labels:
+            self.arms.activate(label)
+            for name, workload in workloads:
+                state = workload.make()
+                workload.step(state, 0)  # first step traces and compiles
+                logits = self.model(state["token"], cache=state["cache"]).logits[:, -1, :]
+                y = mx.argmax(logits, axis=-1)
+                counts.setdefault(name, {})[label] = measure.count_primitives([y, logits])
+                mx.eval(y, logits)
+            self.progress(f"graph | {label:>22} | {counts['decode_step'][label]['total']} primitives per decode step")
+        counts["decode_step"]["context"] = tokens
+        self.arms.release()
+
+    def dsa(self):
+        if self.dsa_index is None:
+            self.results["skipped"].append("dsa: the model has no DSA layer with an indexer")
+            return
+        tokens = max(self.args.contexts)
+        layer = self.model.model.layers[self.dsa_index]
+        c = self.config
+        streams = self._inputs((1, 1, c.hc_mult, c.hidden_size), salt=3)
+        flat = self._inputs((1, 1, c.hidden_size), salt=4)
+
+        def make():
+            return {"cache": synthetic.clone_cache(self.context(tokens)[self.dsa_index])}
+
+        def whole(s, i):
+            out, _ = layer(streams[i % len(streams)], None, s["cache"], None)
+            mx.eval(out, synthetic.cache_arrays(s["cache"]))
+            return [out]
+
+        def attention(s, i):
+            out, topk = layer.self_attn(flat[i % len(flat)], None, s["cache"], None)
+            mx.eval(out, topk, synthetic.cache_arrays(s["cache"]))
+            return [out, topk]
+
+        final = lambda s: synthetic.cache_arrays(s["cache"])  # noqa: E731
+        self.context(tokens)
+        for name, fn in (("dsa_layer", whole), ("dsa_attention", attention)):
+            timed = self._run("layers", name, measure.Workload(f"{name} {self.dsa_index} ctx {tokens}",
+                                                                make, fn, final))
+            timed["context"] = tokens
+
+    def moe(self):
+        if self.moe_index is None:
+            self.results["skipped"].append("moe: the model has no MoE layer")
+            return
+        mlp = self.model.model.layers[self.moe_index].mlp
+        flat = self._inputs((1, 1, self.config.hidden_size), salt=5)
+
+        def step(s, i):
+            out = mlp(flat[i % len(flat)])
+            mx.eval(out)
+            return [out]
+
+        self._run("layers", "moe_block", measure.Workload(f"MoE block {self.moe_index}", dict, step))
+
+    def prefill(self):
+        model = self.model
+        for length in self.args.prefill:
+            if self.runner.past_deadline():
+                self.results["skipped"].append(f"prefill {length}: time budget spent")
+                continue
+            prompt = mx.random.randint(0, self.config.vocab_size, (1, length), key=mx.random.key(length))
+
+            def make():
+                return {"cache": model.make_cache()}
+
+            def step(s, i, prompt=prompt):
+                logits = None
+                for start in range(0, prompt.shape[1], 2048):
+                    logits = model(prompt[:, start:start + 2048], cache=s["cache"], num_logits_to_keep=1).logits
+                    mx.eval(logits, synthetic.cache_arrays(s["cache"]))
+                return [logits[:, -1, :]]
+
+            workload = measure.Workload(f"prefill {length}", make, step, unit="ms")
+            timed = self._run("prefill", str(length), workload, steps=1, warmup=0, check_steps=1,
+                              rounds=self.args.prefill_rounds)
+            for entry in timed["arms"].values():
+                entry["tokens_per_s"] = length / entry["median"] * 1e3
+                entry["tokens_per_s_min"] = length / entry["max"] * 1e3
+                entry["tokens_per_s_max"] = length / entry["min"] * 1e3
+            timed["length"] = length
+            self.save()

@@ -1,0 +1,155 @@
+"""glm53-patches bench: the --small preset end to end on the CPU (no timed assertions)."""
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from glm53_patches import registry
+from glm53_patches.bench import main, report, synthetic
+from glm53_patches.hookspecs import hookimpl
+from glm53_patches.patch import GLM5_NEXT, Patch
+
+KDA_CALL = f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__"
+
+
+class _Plugin:
+    def __init__(self, *patches):
+        self.patches = list(patches)
+
+    @hookimpl
+    def glm53_patches(self):
+        return self.patches
+
+
+def _patch(name, scale=None):
+    """Declared exact; with ``scale`` it is not (a planted wrong answer)."""
+
+    def factory(inner):
+        def call(self, *args, **kwargs):
+            patch.stats.hit()
+            out = inner(self, *args, **kwargs)
+            return out if scale is None else out * scale
+
+        return call
+
+    patch = Patch(name=name, summary="test arm", targets={KDA_CALL: factory})
+    return patch
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    saved = registry._extra_plugins, registry._plugins
+    registry._extra_plugins, registry._plugins = [], None
+    registry.register_plugin(_Plugin(_patch("bench_probe_exact"), _patch("bench_probe_wrong", scale=3.0)))
+    out = tmp_path_factory.mktemp("bench") / "small.json"
+    try:
+        code = main(["--small", "--arms", "stock,bench_probe_exact,bench_probe_wrong", "--rounds", "2",
+                     "--steps", "2", "--warmup", "1", "--check-steps", "3", "--contexts", "16,96",
+                     "--prefill", "8,16", "--no-png", "--quiet", "--out", str(out)])
+    finally:
+        registry.revert()
+        registry._extra_plugins, registry._plugins = saved
+    return code, json.loads(out.read_text())
+
+
+def test_json_has_every_figure(run):
+    _, r = run
+    arms = ["stock", "bench_probe_exact", "bench_probe_wrong"]
+    assert list(r["arms"]) == arms
+    for ctx in ("16", "96"):
+        for arm in arms:
+            entry = r["decode"][ctx]["arms"][arm]
+            assert entry["median"] > 0 and entry["min"] <= entry["max"] and entry["ratio_vs_stock"] > 0
+            assert len(entry["round_medians"]) == 2 and entry["peak_memory"] > 0
+    for length in ("8", "16"):
+        assert all(r["prefill"][length]["arms"][a]["tokens_per_s"] > 0 for a in arms)
+    for name in ("kda_layer", "kda_attention", "dsa_layer", "dsa_attention", "moe_block"):
+        assert set(r["layers"][name]["arms"]) == set(arms)
+    graph = r["graph_primitives"]["decode_step"]
+    assert all(graph[a]["total"] >= graph[a]["not_views"] > 0 for a in arms)
+    assert r["bandwidth"]["copy_GBps"] > 0 and r["bandwidth"]["matvec_GBps"] > 0
+    assert r["floor_ms"]["copy"] > 0 and r["bytes_per_token"]["weights"] > 0
+    assert "decode.96" in r["peak_memory"] and r["peak_memory"]["after_build"] > 0
+    assert r["model"]["experts"] == 8 and "same" in r["model"]["note"]
+
+
+def test_graph_count_is_deterministic(run):
+    _, r = run
+    graph = r["graph_primitives"]["decode_step"]
+    assert graph["stock"] == graph["bench_probe_exact"]  # a pass-through wrapper adds no primitive
+
+
+def test_token_check_compares_arms(run):
+    code, r = run
+    good = r["correctness"]["bench_probe_exact"]
+    assert set(good) >= {"decode.16", "decode.96", "layers.kda_layer", "prefill.8"}
+    for name in ("decode.16", "decode.96"):
+        check = good[name]
+        assert check["compared_with"] == "stock" and len(check["tokens"]) == 3
+        assert check["tokens"] == check["stock_tokens"] and check["tokens_match"]
+        assert check["outputs_bitwise"] and check["final_state_bitwise"] and check["timed_tokens_match"]
+    assert r["verdicts"]["bench_probe_exact"].startswith("ok")
+    wrong = r["correctness"]["bench_probe_wrong"]["decode.96"]
+    assert not wrong["outputs_bitwise"] and wrong["max_abs_diff"] > 0
+    assert r["verdicts"]["bench_probe_wrong"].startswith("WRONG")
+    assert not report.is_valid(r, "bench_probe_wrong") and code == 1
+    assert "WRONG" in report.table(r)
+
+
+def _expected_decode_bytes(c, act, scale):
+    """Independent count from the config: what one decode token reads."""
+
+    def q(rows, cols, bits):
+        return rows * cols * bits / 8 + 2 * rows * (cols // 64) * scale
+
+    h, nh, hd = c.hidden_size, c.linear_num_heads, c.linear_head_dim
+    p, mix = nh * hd, (2 + c.hc_mult) * c.hc_mult
+    total = q(1, h, 6) + q(c.vocab_size, h, 6) + h * act  # one embedding row, lm_head, final norm
+    for i in range(c.num_hidden_layers):
+        total += 2 * h * act + 2 * (mix * c.hc_mult * h + mix + 3) * 4  # norms, two HCs (fp32)
+        if c.layer_types[i] == "linear_attention":
+            total += q(3 * p, h, 8) + q(2 * hd + nh, h, 8) + 2 * q(p, hd, 8) + q(h, p, 8)
+            total += 3 * p * c.linear_conv_kernel_dim * act + nh * 4 + p * 4 + hd * act
+        else:
+            n, ql, kv = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+            total += q(ql + kv, h, 6) + ql * act + q(n * c.qk_nope_head_dim, ql, 6) + kv * act
+            total += n * q(kv, c.qk_nope_head_dim, 6) + n * q(c.v_head_dim, kv, 6) + q(h, n * c.v_head_dim, 6)
+            if c.indexer_types[i] == "full":
+                ih, idim = c.index_n_heads, c.index_head_dim
+                total += q(ih * idim, ql, 6) + q(idim, h, 6) + 2 * idim * act + q(ih, h, 6)
+                total += c.index_kpool * idim * 4 + idim * h * 4
+        if c.mlp_layer_types[i] == "dense":
+            total += q(2 * c.intermediate_size, h, 6) + q(h, c.intermediate_size, 6)
+        else:
+            e, im = c.n_routed_experts, c.moe_intermediate_size
+            total += e * h * 4 + e * 4  # router and score bias, fp32
+            total += c.num_experts_per_tok * (2 * q(im, h, 4) + q(h, im, 4))
+            total += q(2 * im * c.n_shared_experts, h, 6) + q(h, im * c.n_shared_experts, 6)
+    return total
+
+
+def test_bytes_per_token_matches_an_independent_count(run):
+    _, r = run
+    config = synthetic.text_config("small")
+    assert r["bytes_per_token"]["weights"] == pytest.approx(_expected_decode_bytes(config, 4, 4))
+    model = synthetic.build(config, dtype=mx.bfloat16)  # bf16 scales and norms: 2 bytes
+    assert synthetic.decode_bytes(model, config)["total"] == pytest.approx(_expected_decode_bytes(config, 2, 2))
+
+
+def test_context_caches_match_a_real_prefill():
+    """The synthetic context has the shapes and dtypes a real prefill leaves
+    (except the prefill-only projected MLA cache, which decode never reads)."""
+    config = synthetic.text_config("small")
+    model = synthetic.build(config, dtype=mx.bfloat16)
+    made = synthetic.context_caches(model, 96, mx.bfloat16)
+    real = model.make_cache()
+    mx.eval(model(mx.arange(96)[None] % config.vocab_size, cache=real).logits)
+    for layer, a, b in zip(model.model.layers, made, real):
+        if not layer.is_linear:
+            b = type(b)(*b.caches[:-1])  # drop the projected cache
+            assert a.caches[0].offset == b.caches[0].offset == 96
+            assert a.caches[2].offset == b.caches[2].offset and a.caches[2].remainder == b.caches[2].remainder
+        shape = lambda x: (x.shape[:2] + x.shape[3:]) if x.ndim == 4 else x.shape  # noqa: E731
+        assert [(shape(x), x.dtype) for x in synthetic.cache_arrays(a)] == \
+               [(shape(x), x.dtype) for x in synthetic.cache_arrays(b)]
