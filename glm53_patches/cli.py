@@ -1,4 +1,4 @@
-"""glm53-patches: status | list | doctor | verify | bench | tiny-model | fingerprints."""
+"""glm53-patches: status | list | doctor | verify | bench | stage | tiny-model | fingerprints."""
 
 import argparse
 import json
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, config, drift, pins, verify_records
+from . import bench, config, drift, pins, stage, verify_records
 
 
 def _registry():
@@ -133,6 +133,9 @@ def cmd_verify(args):
     if unknown:
         print(f"unknown patch(es): {', '.join(unknown)}; patches: {', '.join(patches)}", file=sys.stderr)
         return 2
+    from .upstream_import import import_language
+
+    import_language()  # works on a bare GPU machine too
     backend = registry.backend()
     failed = 0
     print(f"{'patch':26} {'backend':8} {'result':24} time")
@@ -191,6 +194,7 @@ def main(argv=None):
     verify.add_argument("patches", nargs="*")
     verify.set_defaults(run=cmd_verify)
     bench.add_parser(commands)
+    stage.add_parser(commands)
     tiny = commands.add_parser("tiny-model", help="write a small random-weight glm5_next checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None)

@@ -77,6 +77,7 @@ def run(args):
     import mlx.core as mx
 
     from .. import registry
+    from .. import upstream_import
     from . import measure, report, sections, synthetic
 
     args = _finish_args(args)
@@ -86,7 +87,7 @@ def run(args):
         return 2
     progress = measure.Progress(args.quiet)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still gets the JSON and PNG
-    synthetic.import_language()
+    upstream_import.import_language()
     dtype = getattr(mx, args.dtype)
     preset = "small" if args.small else "real"
     config = synthetic.text_config(preset, layers=args.layers)

@@ -14,11 +14,8 @@ pooled indexer keys; KDA conv and recurrent state), so long contexts cost no
 prefill.
 """
 
-import importlib
-import importlib.util
 import math
 import os
-import sys
 import zlib
 
 import mlx.core as mx
@@ -41,31 +38,6 @@ SMALL = dict(
     linear_attn_config={"head_dim": 64, "num_heads": 4, "short_conv_kernel_size": 4},
     max_position_embeddings=4096,
 )
-
-
-def import_language():
-    """mlx-vlm's glm5_next language module, without mlx-vlm's heavy package __init__
-    where that fails (the GPU machine lacks datasets, mlx-audio, ...)."""
-    name = "mlx_vlm.models.glm5_next.language"
-    try:
-        return importlib.import_module(name)
-    except Exception as first:  # noqa: BLE001 - any missing dependency
-        for key in [k for k in sys.modules if k == "mlx_vlm" or k.startswith("mlx_vlm.")]:
-            del sys.modules[key]
-        for package in ("mlx_vlm", "mlx_vlm.models.glm5_next", "mlx_vlm.models.deepseek_v4"):
-            if package in sys.modules:
-                continue
-            spec = importlib.util.find_spec(package)
-            if spec is None:
-                raise first
-            module = importlib.util.module_from_spec(spec)  # registered, never executed
-            sys.modules[package] = module
-            parent, _, leaf = package.rpartition(".")
-            if parent:
-                setattr(importlib.import_module(parent), leaf, module)
-        print("glm53-bench: mlx_vlm's package __init__ failed to import "
-              f"({type(first).__name__}: {first}); using bare packages", file=sys.stderr)
-        return importlib.import_module(name)
 
 
 def text_config(preset="real", layers=None, experts=None, **overrides):
@@ -190,6 +162,8 @@ def _fill(root, prefix, config, dtype, seed):
 
 def build(config, dtype=mx.bfloat16, seed=0, progress=None):
     """The LanguageModel with random quantized weights, built layer by layer."""
+    from ..upstream_import import import_language
+
     language = import_language()
     model = language.LanguageModel(config)
     model.eval()

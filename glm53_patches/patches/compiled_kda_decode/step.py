@@ -62,8 +62,8 @@ def _configuration(attn, leaves):
         attn.head_dim,
         attn.qkv_conv.kernel_size,
         attn.lower_bound,
-        # Helpers are looked up where stock looks them up; if another patch
-        # replaces one, this layer gets a fresh trace instead of a stale one.
+        # Helpers are looked up where stock looks them up; if one is replaced
+        # (e.g. monkeypatched), this layer gets a fresh trace, not a stale one.
         _lang.linear,
         _lang.gated_delta_update,
     )
@@ -198,36 +198,45 @@ def _why_not(attn, x, mask, cache):
     return None
 
 
+def decode_step(attn, x, mask=None, cache=None):
+    """``attn(x, mask, cache)`` for one decode token as one compiled call.
+
+    Returns None, having touched nothing, where the stock code must run.
+    """
+    reason = _why_not(attn, x, mask, cache)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
+    leaves = _leaves(attn)
+    key = (_cached_configuration(attn, leaves), mask is not None)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = _build(attn, leaves, mask is not None)
+    params = [dict(m) for m in leaves]
+    args = (x, cache[0], cache[1], params, attn.A_log, attn.dt_bias, _scales(attn.scale))
+    output, window, state = fn(*args) if mask is None else fn(*args, mask)
+    # What stock leaves in a non-speculating cache without lengths:
+    # update_window(0, ...), update_recurrent(1, ...), advance(1).
+    cache[0] = window
+    cache[1] = state
+    cache.advance(1)
+    stats.hit()
+    return output
+
+
 def make_call(original):
     """The replacement for ``Glm5NextLinearAttention.__call__``."""
 
     @functools.wraps(original)
     def __call__(self, x, mask=None, cache=None):
-        reason = _why_not(self, x, mask, cache)
-        if reason is not None:
-            stats.fallback(reason)
-            return original(self, x, mask, cache)
-        leaves = _leaves(self)
-        key = (_cached_configuration(self, leaves), mask is not None)
-        fn = _COMPILED.get(key)
-        if fn is None:
-            fn = _COMPILED[key] = _build(self, leaves, mask is not None)
-        params = [dict(m) for m in leaves]
-        args = (x, cache[0], cache[1], params, self.A_log, self.dt_bias, _scales(self.scale))
-        output, window, state = fn(*args) if mask is None else fn(*args, mask)
-        # What stock leaves in a non-speculating cache without lengths:
-        # update_window(0, ...), update_recurrent(1, ...), advance(1).
-        cache[0] = window
-        cache[1] = state
-        cache.advance(1)
-        stats.hit()
-        return output
+        output = decode_step(self, x, mask, cache)
+        return original(self, x, mask, cache) if output is None else output
 
     return __call__
 
 
 def clear():
-    """Drop every compiled function and memo (the patch's on_revert)."""
+    """Drop every compiled function and memo."""
     _COMPILED.clear()
     _CONFIGS.clear()
     _scales.cache_clear()

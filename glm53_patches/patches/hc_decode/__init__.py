@@ -1,0 +1,71 @@
+"""hc_decode: a decoder layer's hyper-connections at single-token decode, fused.
+
+The implementation lives in ``layer.py`` (the replacement ``__call__``), the
+kernels in ``glm53_patches/kernels/hc_sinkhorn.py`` and the exactness checks in
+``verify.py``; all are imported on first use, so discovering this plugin
+imports neither mlx nor mlx-vlm.
+"""
+
+import sys
+
+from glm53_patches.hookspecs import hookimpl
+from glm53_patches.patch import GLM5_NEXT, Patch
+
+_HC = "mlx_vlm.models.deepseek_v4.hyper_connection"
+
+
+def _make_call(original):
+    from .layer import make_call
+
+    return make_call(original)
+
+
+def _on_revert():
+    layer = sys.modules.get(f"{__name__}.layer")
+    if layer is not None:
+        layer.clear()
+
+
+def _verify():
+    from .verify import verify
+
+    return verify()
+
+
+PATCH = Patch(
+    name="hc_decode",
+    summary=(
+        "Single-token decode of a DecoderLayer runs each hyper-connection's "
+        "collapse (flatten, rms_norm, mix matmul, Sinkhorn, weighted sum), the "
+        "branch input norm and the expand as mx.compile'd graphs; on a GPU "
+        "where `glm53-patches verify` passed, the Sinkhorn collapse is one "
+        "kernel launch instead of ~80. Bit-identical to stock."
+    ),
+    targets={f"{GLM5_NEXT}:DecoderLayer.__call__": _make_call},
+    relies_on=(
+        f"{GLM5_NEXT}:DecoderLayer.__init__",
+        f"{GLM5_NEXT}:Glm5NextTextModel.__call__",
+        f"{_HC}:HyperConnection.__init__",
+        f"{_HC}:HyperConnection.apply_branch",
+        f"{_HC}:HyperConnection.__call__",
+        f"{_HC}:HyperConnection._mix",
+        f"{_HC}:_hc_ops",
+        f"{_HC}:_hc_split_sinkhorn_ops",
+        f"{_HC}:_hc_kernel",
+        f"{_HC}:_make_hc_sinkhorn_collapse_kernel",
+        f"{_HC}:hc_expand",
+        f"{_HC}:_hc_expand_op",
+    ),
+    numerics="exact",
+    # The CUDA and Metal kernels run only where `glm53-patches verify` passed
+    # (or with GLM53_HC_DECODE_KERNEL=1); the compiled path runs elsewhere.
+    kernel_backends=("cuda", "metal"),
+    upstream="not yet proposed",
+    on_revert=_on_revert,
+    verify=_verify,
+)
+
+
+@hookimpl
+def glm53_patches():
+    return [PATCH]

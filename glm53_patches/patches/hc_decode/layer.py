@@ -1,0 +1,251 @@
+"""hc_decode's replacement for ``DecoderLayer.__call__`` at single-token decode.
+
+Stock runs each decoder layer as ``attn_hc.apply_branch(x, input_layernorm,
+self_attn, ...)`` then ``ffn_hc.apply_branch(x, post_attention_layernorm,
+mlp)``. At ``L == 1`` each ``apply_branch`` builds, op by op, the
+hyper-connection collapse (``HyperConnection.__call__``), the branch's input
+norm, the branch, and the expand (``hc_expand``). Here the same upstream code
+runs inside ``mx.compile``d pure functions, so one graph is built once per
+shape and replayed:
+
+    collapse(x)                     -> input_layernorm(collapsed), post, comb
+    branch                          (self_attn: whatever is installed there,
+                                     so compiled_kda_decode still engages)
+    expand + collapse(x)            -> x, post_attention_layernorm(collapsed),
+                                       post, comb
+    mlp
+    hc_expand                       (upstream's compiled _hc_expand_op)
+
+The functions *call* upstream's ``HyperConnection.__call__``/``_mix``,
+``hc_expand`` and the norm modules on parameter-free copies bound to traced
+parameters (weights are inputs, never captured), so the arithmetic is
+upstream's by construction; ``mx.compile`` only fuses neighbouring
+elementwise ops, which on the CPU changes no rounding (see PATCH.md). On a GPU
+backend where ``glm53-patches verify`` passed (or when forced), the Sinkhorn
+collapse inside ``collapse`` is the one-launch kernel of
+``glm53_patches.kernels.hc_sinkhorn`` instead of upstream's ~80 launches.
+"""
+
+import contextlib
+import copy
+import functools
+import logging
+
+import mlx.core as mx
+
+from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
+
+from glm53_patches import config, verify_records
+from glm53_patches.kernels import hc_sinkhorn
+
+from . import PATCH
+
+log = logging.getLogger("glm53_patches")
+stats = PATCH.stats
+
+# Static signature -> mx.compile'd function (mx.compile keeps one trace per
+# input shapes and dtypes inside each entry).
+_COMPILED = {}
+# Backend -> whether the kernel runs there (GLM53_HC_DECODE_KERNEL + verify records).
+_KERNEL_DECISION = {}
+_FORCED = [None]  # set by `forcing_kernel` (verify, device checks)
+_SCALARS = (bool, int, float, str, type(None))
+_FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+WRAPPER_MARK = "_glm53_hc_decode"  # set on the replacement __call__
+KERNEL_KNOB = "GLM53_HC_DECODE_KERNEL"
+_KNOB_VALUES = {"auto": None, "1": True, "on": True, "true": True, "force": True, "0": False, "off": False, "false": False}
+
+
+def _parse_kernel(value):
+    lowered = value.strip().lower()
+    if lowered not in _KNOB_VALUES:
+        raise ValueError("accepted: auto (kernel where `glm53-patches verify` passed), 1/on/force, 0/off")
+    return _KNOB_VALUES[lowered]
+
+
+def kernel_wanted(backend):
+    """Does the one-launch kernel run on `backend` ('cuda', 'metal'; else never)?"""
+    if backend not in ("cuda", "metal"):
+        return False
+    if _FORCED[0] is not None:
+        return _FORCED[0]
+    decision = _KERNEL_DECISION.get(backend)
+    if decision is None:
+        setting, error = config.knob("hc_decode", "kernel", _parse_kernel, None)
+        if error:
+            log.error(f"hc_decode: {error}; the kernel stays off")
+            setting = False
+        if setting is None:
+            setting = verify_records.passed(PATCH.name, backend)
+        decision = _KERNEL_DECISION[backend] = bool(setting)
+    return decision
+
+
+@contextlib.contextmanager
+def forcing_kernel(on):
+    """Within the block, the kernel runs (True), never runs (False) or follows the setting (None)."""
+    previous = _FORCED[0]
+    _FORCED[0] = on
+    try:
+        yield
+    finally:
+        _FORCED[0] = previous
+
+
+# -- parameter-free copies of modules -------------------------------------------------
+
+
+def _skeleton(module):
+    """A copy of a module with its class and configuration but no parameters."""
+    clone = copy.copy(module)
+    dict.clear(clone)
+    return clone
+
+
+def _bind(skeleton, params):
+    """The skeleton with ``params`` (traced arrays) as its parameters."""
+    clone = copy.copy(skeleton)
+    dict.update(clone, params)
+    return clone
+
+
+def _leaf_signature(module):
+    scalars = tuple(
+        (k, v) for k, v in sorted(vars(module).items()) if not k.startswith("_") and isinstance(v, _SCALARS)
+    )
+    return (type(module), tuple(sorted(module.keys())), scalars)
+
+
+def _upstream():
+    """Upstream callables the traces bake in: a replaced one means a fresh trace."""
+    cls = _hc.HyperConnection
+    return (
+        cls.__call__,
+        cls._mix,
+        _hc.hc_expand,
+        _hc._hc_ops,
+        _hc._hc_kernel,
+        _hc._hc_expand_op,
+        _hc._hc_split_sinkhorn_ops,
+        id(_hc._hc_sinkhorn_collapse_kernel),
+    )
+
+
+# -- the collapse, two ways ----------------------------------------------------------------
+
+
+def _stock_collapse(hc, x):
+    """Upstream's own ``HyperConnection.__call__`` (``_hc_ops`` or, on Metal, ``_hc_kernel``)."""
+    return hc(x)
+
+
+def _kernel_collapse(hc, x):
+    """``HyperConnection.__call__`` with the Sinkhorn collapse as one kernel launch."""
+    y = x.astype(mx.float32)
+    z = mx.fast.rms_norm(y.flatten(-2), None, hc.norm_eps)
+    mixes = hc._mix(z)
+    collapsed, post, comb = hc_sinkhorn.hc_sinkhorn_collapse(
+        x, mixes, hc.scale, hc.base, hc.hc_mult, hc.sinkhorn_iters, hc.hc_eps
+    )
+    return collapsed, post, comb
+
+
+def _build(role, hc, norm, use_kernel):
+    hc_skeleton, norm_skeleton = _skeleton(hc), _skeleton(norm)
+    collapse = _kernel_collapse if use_kernel else _stock_collapse
+
+    def collapse_normed(x, hc_params, norm_params):
+        # Runs only while mx.compile traces: counts traces, not calls.
+        stats.hit("trace")
+        collapsed, post, comb = collapse(_bind(hc_skeleton, hc_params), x)
+        return _bind(norm_skeleton, norm_params)(collapsed), post, comb
+
+    if role == "collapse":
+        return mx.compile(collapse_normed)
+
+    def expand_collapse(out, x, post, comb, hc_params, norm_params):
+        # apply_branch's hc_expand(output, x, post, comb, use_kernel=not training)
+        x = _hc.hc_expand(out, x, post, comb, use_kernel=True)
+        h, post, comb = collapse_normed(x, hc_params, norm_params)
+        return x, h, post, comb
+
+    return mx.compile(expand_collapse)
+
+
+def _compiled(role, hc, norm, use_kernel):
+    key = (role, use_kernel, str(mx.default_device()), _leaf_signature(hc), _leaf_signature(norm), _upstream())
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = _build(role, hc, norm, use_kernel)
+    return fn
+
+
+def _use_kernel(hc, x):
+    """Kernel for this hyper-connection? Counts a fallback when it cannot cover a call."""
+    backend = hc_sinkhorn.gpu_backend()
+    if not kernel_wanted(backend):
+        return False
+    reason = hc_sinkhorn.unsupported(x, hc.hc_mult, backend)
+    if reason is not None:
+        stats.fallback(f"kernel: {reason} (compiled path ran)")
+        return False
+    hc_sinkhorn.compiled_constant(hc.hc_eps)  # probe (it evaluates) before any trace needs it
+    return True
+
+
+def _why_not(layer, x):
+    """The reason to run the stock layer, or None when the fused path applies."""
+    if x.ndim != 4 or x.shape[1] != 1:
+        return "length"
+    if layer.training or layer.attn_hc.training or layer.ffn_hc.training:
+        return "training"
+    hc_class = _hc.HyperConnection
+    if type(layer.attn_hc) is not hc_class or type(layer.ffn_hc) is not hc_class:
+        return "module type"
+    if x.shape[2] != layer.attn_hc.hc_mult or x.shape[2] != layer.ffn_hc.hc_mult:
+        return "shape"
+    if x.dtype not in _FLOATS:
+        return "dtype"
+    return None
+
+
+def make_call(original):
+    """The replacement for ``DecoderLayer.__call__``."""
+
+    @functools.wraps(original)
+    def __call__(self, x, mask=None, cache=None, prev_topk_indices=None):
+        reason = _why_not(self, x)
+        if reason is not None:
+            stats.fallback(reason)
+            return original(self, x, mask, cache, prev_topk_indices)
+        attn_hc, ffn_hc = self.attn_hc, self.ffn_hc
+
+        kernel = _use_kernel(attn_hc, x)
+        collapse = _compiled("collapse", attn_hc, self.input_layernorm, kernel)
+        h, post, comb = collapse(x, dict(attn_hc), dict(self.input_layernorm))
+        stats.hit("kernel" if kernel else "compiled")
+        if self.is_linear:
+            out = self.self_attn(h, mask, cache)
+            topk = prev_topk_indices
+        else:
+            out, topk = self.self_attn(h, mask, cache, prev_topk_indices)
+
+        kernel = _use_kernel(ffn_hc, x)
+        expand_collapse = _compiled("expand_collapse", ffn_hc, self.post_attention_layernorm, kernel)
+        x, h, post, comb = expand_collapse(
+            out, x, post, comb, dict(ffn_hc), dict(self.post_attention_layernorm)
+        )
+        stats.hit("kernel" if kernel else "compiled")
+        out = self.mlp(h)
+        stats.hit("layer")
+        return _hc.hc_expand(out, x, post, comb, use_kernel=True), topk
+
+    setattr(__call__, WRAPPER_MARK, True)
+    return __call__
+
+
+def clear():
+    """Drop compiled functions and kernel decisions (on revert)."""
+    _COMPILED.clear()
+    _KERNEL_DECISION.clear()

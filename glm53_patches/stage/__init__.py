@@ -1,0 +1,405 @@
+"""glm53-patches stage: a patch as an mlx-vlm pull request (PATCH.diff + PR.md), checked.
+
+For one patch and one mlx-vlm source tree (``--upstream``, or each pinned
+release's wheel, unpacked into a cache):
+
+1. generate the upstream form from the patch's own modules (``source.py``,
+   driven by the patch folder's ``upstream.py``) and write ``PATCH.diff``;
+2. ``git apply --check``, then ``git apply``, in a clean git copy of the tree;
+3. in that applied tree, in ``python -I -S`` with glm53_patches unimportable:
+   run the staged tests, and decode the tiny checkpoints greedily with the
+   switch on and off (``runner.py``);
+4. decode the same with the plugin applied to the stock tree, and compare
+   the logits bit for bit;
+5. write ``PR.md`` and ``stage.json``.
+
+Nothing here imports mlx at module level, so the CLI stays fast.
+"""
+
+import datetime
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .. import config, drift, pins
+from .source import Description, StageError, describe, stage_source
+
+__all__ = ["StageError", "Result", "stage", "stage_patches", "find_patch", "stageable", "add_parser", "main"]
+
+
+@dataclass
+class Result:
+    """What staging one patch onto one tree gave."""
+
+    patch: str
+    pin: str
+    tree: str
+    tree_source: str
+    date: str
+    stageable: bool = True
+    applies: bool = False
+    error: str = ""
+    diff: Dict = field(default_factory=dict)
+    drift: Dict = field(default_factory=dict)
+    tests: Dict = field(default_factory=dict)
+    equivalence: Dict = field(default_factory=dict)
+    backend: str = "cpu"
+    mlx: str = ""
+    seconds: float = 0.0
+    out: str = ""
+
+    @property
+    def ok(self) -> bool:
+        if not self.stageable:
+            return True
+        checks = [self.applies, not self.error]
+        if self.tests:
+            checks += [self.tests.get("ok"), self.tests.get("passed", 0) > 0, not self.tests.get("failed"),
+                       not self.tests.get("counts", {}).get("skipped")]
+        if self.equivalence:
+            checks.append(self.equivalence.get("ok"))
+        return all(checks)
+
+
+# -- which patches, which trees ------------------------------------------------------------------
+
+
+def find_patch(name: str):
+    """The Patch called ``name``: installed plugins first, then the patches/ folder."""
+    from .. import registry
+
+    patch = registry.available().get(name)
+    if patch is not None:
+        return patch
+    try:
+        module = importlib.import_module(f"glm53_patches.patches.{name}")
+    except ModuleNotFoundError:
+        raise StageError(f"no patch named {name!r} (installed: {', '.join(registry.available())})") from None
+    return module.PATCH
+
+
+def stageable() -> Dict[str, object]:
+    """Every patch the plugins provide or the patches/ folder holds, by name."""
+    from .. import registry
+
+    found = dict(registry.available())
+    folder = Path(__file__).resolve().parents[1] / "patches"
+    for path in sorted(folder.iterdir()):
+        if (path / "__init__.py").is_file() and path.name not in found:
+            try:
+                found[path.name] = importlib.import_module(f"glm53_patches.patches.{path.name}").PATCH
+            except Exception as exc:  # a patch being written must not stop the others
+                found[path.name] = exc
+    return dict(sorted(found.items()))
+
+
+def default_cache() -> Path:
+    return config.state_dir() / "releases"
+
+
+def pinned_trees(cache: Path, versions: Optional[List[str]] = None) -> Dict[str, Path]:
+    """{version: unpacked wheel} for each pinned mlx-vlm (downloaded once into ``cache``)."""
+    return {v: drift.unpack_release(v, Path(cache)) for v in (versions or pins.mlx_vlm_versions())}
+
+
+def tiny_models(cache: Path) -> Dict[str, str]:
+    """The fp32 and 4-bit tiny checkpoints the logits comparison decodes (written once)."""
+    from ..tiny_model import write_tiny_model
+
+    models = {}
+    for name, bits in (("fp32", None), ("q4", 4)):
+        folder = Path(cache) / f"tiny-{name}"
+        if not (folder / "config.json").is_file():
+            partial = Path(tempfile.mkdtemp(prefix=f"tiny-{name}-", dir=cache))
+            write_tiny_model(partial, quantize_bits=bits)
+            shutil.rmtree(folder, ignore_errors=True)
+            partial.rename(folder)
+        models[name] = str(folder)
+    return models
+
+
+def _tree_version(tree: Path) -> str:
+    """The mlx-vlm version of a source tree (mlx_vlm/version.py), else its path."""
+    text = (tree / "mlx_vlm" / "version.py").read_text() if (tree / "mlx_vlm" / "version.py").is_file() else ""
+    for line in text.splitlines():
+        if line.startswith("__version__"):
+            return line.split("=", 1)[1].strip().strip("'\"")
+    return str(tree)
+
+
+# -- one patch, one tree ---------------------------------------------------------------------
+
+
+def stage(patch, tree: Path, out: Path, *, models: Optional[Dict[str, str]] = None, run: bool = True,
+          tree_source: str = "", pin: Optional[str] = None, work: Optional[Path] = None) -> Result:
+    """Stage ``patch`` onto ``tree``; write PATCH.diff, PR.md and stage.json into ``out``.
+
+    ``run`` False stops after ``git apply --check``/``git apply``. ``models``
+    (from ``tiny_models``) is needed when ``run`` is True.
+    """
+    from .. import registry
+
+    started = time.perf_counter()
+    tree, out = Path(tree).resolve(), Path(out)
+    result = Result(patch=patch.name, pin=pin or _tree_version(tree), tree=str(tree),
+                    tree_source=tree_source or str(tree), date=datetime.date.today().isoformat())
+    try:
+        described = describe(patch)
+    except StageError as exc:
+        result.error = f"upstream.py: {exc}"
+        return result
+    if described is None:
+        result.stageable = False
+        result.error = "no upstream.py in the patch folder: nothing to stage"
+        return result
+    out.mkdir(parents=True, exist_ok=True)
+    if run and models is None:
+        models = tiny_models(default_cache())
+    owned_work = work is None
+    work = Path(tempfile.mkdtemp(prefix=f"stage-{patch.name}-")) if owned_work else Path(work)
+    try:
+        _stage_into(result, patch, described, tree, out, work, models, run)
+    except StageError as exc:
+        result.error = str(exc)
+    except (OSError, subprocess.SubprocessError) as exc:  # git missing, a run timed out, ...
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if owned_work:
+            shutil.rmtree(work, ignore_errors=True)
+    import mlx.core as mx
+
+    result.backend = registry.backend()
+    result.mlx = mx.__version__
+    result.seconds = round(time.perf_counter() - started, 1)
+    result.out = str(out)
+    if result.diff:
+        from . import pr
+
+        try:
+            (out / "PR.md").write_text(pr.render(described, patch, asdict(result)), encoding="utf-8")
+        except StageError as exc:
+            result.error = result.error or str(exc)
+    (out / "stage.json").write_text(json.dumps(asdict(result), indent=1, default=str) + "\n")
+    return result
+
+
+def _stage_into(result, patch, described: Description, tree, out, work, models, run):
+    from . import checks
+
+    staged = stage_source(described, tree)
+    diff = staged.diff()
+    diff_path = out / "PATCH.diff"
+    diff_path.write_text(diff, encoding="utf-8")
+    result.diff = {
+        "lines": diff.count("\n"),
+        "bytes": len(diff.encode()),
+        "added": sum(1 for l in diff.splitlines() if l.startswith("+") and not l.startswith("+++")),
+        "removed": sum(1 for l in diff.splitlines() if l.startswith("-") and not l.startswith("---")),
+        "files": {**{p: "new" for p in staged.new_files}, **{p: "changed" for p in staged.changed_files}},
+    }
+    result.drift = drift.check(patch.all_fingerprinted(), root=tree)
+    repo = checks.git_copy(tree, work / "tree")
+    check = checks.git_apply(repo, diff_path, check=True)
+    if check.returncode:
+        result.error = f"git apply --check failed: {check.stderr.strip()[-1500:]}"
+        return
+    applied = checks.git_apply(repo, diff_path, check=False)
+    if applied.returncode:
+        result.error = f"git apply failed: {applied.stderr.strip()[-1500:]}"
+        return
+    if "offset" in applied.stderr:
+        result.error = f"git apply needed offsets: {applied.stderr.strip()[-500:]}"
+        return
+    changes = checks.git_changes(repo)
+    expected = {p: "??" for p in staged.new_files} | {p: "M" for p in staged.changed_files}
+    if changes != expected:
+        result.error = f"git apply changed {changes}, expected {expected}"
+        return
+    result.applies = True
+    if not run:
+        return
+    tests = checks.staged_tests(repo, list(described.tests.values()), described.switch_module, work / "pytest")
+    result.tests = _summary(tests, ("exit_code", "seconds", "counts", "passed", "failed", "enabled_at_import",
+                                    "isolation", "blocked_imports", "mlx_vlm_file"))
+    if described.fast_path:
+        plugin = checks.plugin_logits(tree, models, patch.name, described.package, work / "plugin")
+        staged_run = checks.staged_logits(repo, models, described.switch, described.switch_module,
+                                          described.fast_path, work / "staged")
+        result.equivalence = _equivalence(patch, plugin, staged_run, work)
+
+
+def _summary(report: Dict, keys) -> Dict:
+    summary = {k: report.get(k) for k in keys if k in report}
+    summary["ok"] = bool(report.get("ok")) and report.get("exit_code", 0) == 0
+    if not report.get("ok"):
+        summary["error"] = report.get("error") or report.get("output", "")[-2000:]
+    elif report.get("exit_code"):
+        summary["error"] = report.get("output", "")[-3000:]
+    return summary
+
+
+def _equivalence(patch, plugin: Dict, staged: Dict, work: Path) -> Dict:
+    from . import checks
+
+    summary = {"ok": False}
+    if not plugin.get("ok") or not staged.get("ok"):
+        summary["error"] = "plugin run: " + str(plugin.get("error", "ok")) + "\nstaged run: " + str(staged.get("error", "ok"))
+        return summary
+    summary.update(checks.compare_logits(work / "plugin" / "plugin.safetensors", work / "staged" / "staged.safetensors"))
+    hits = plugin.get("plugin_stats", {}).get("hits", {})
+    summary["plugin_hits"] = hits
+    summary["served"] = staged.get("fast_path", {}).get("served", 0)
+    summary["served_when_off"] = staged.get("fast_path_off", {}).get("served", 0)
+    summary["enabled_at_import"] = staged.get("enabled_at_import")
+    summary["isolation"] = staged.get("isolation")
+    summary["blocked_imports"] = staged.get("blocked_imports")
+    summary["ok"] = (
+        all(summary["staged_equals_plugin"].values())
+        and all(summary["off_equals_stock"].values())
+        and (patch.numerics != "exact" or all(summary["staged_equals_stock"].values()))
+        and summary["served"] > 0
+        and sum(hits.values()) > 0
+        and summary["served_when_off"] == 0
+        and summary["enabled_at_import"] in (True, None)
+        and not summary["blocked_imports"]
+    )
+    return summary
+
+
+# -- many ----------------------------------------------------------------------------------------
+
+
+def stage_patches(names: List[str], trees: Dict[str, Path], out: Path, *, run: bool = True,
+                  cache: Optional[Path] = None, nested: bool = True, progress=None,
+                  upstream_given: bool = False) -> List[Result]:
+    """Stage each patch onto each tree ({version: folder}).
+
+    Output goes to out/<patch>/mlx-vlm-<version>/, without the levels that
+    have a single entry.
+    """
+    patches = stageable()
+    models = tiny_models(Path(cache or default_cache())) if run else None
+    results = []
+    today = datetime.date.today().isoformat()
+    for name in names:
+        patch = patches.get(name) if name in patches else find_patch(name)
+        if isinstance(patch, Exception):
+            results.append(Result(name, "-", "", "", today, stageable=False,
+                                  error=f"the patch does not import: {patch!r}"))
+            continue
+        try:
+            described = describe(patch)
+        except StageError as exc:
+            results.append(Result(name, "-", "", "", today, error=f"upstream.py: {exc}"))
+            continue
+        if described is None:
+            results.append(Result(name, "-", "", "", today, stageable=False,
+                                  error="no upstream.py in the patch folder: nothing to stage"))
+            continue
+        for label, tree in trees.items():
+            folder = Path(out)
+            if nested and len(names) > 1:
+                folder = folder / name
+            if nested and len(trees) > 1:
+                folder = folder / f"mlx-vlm-{label}"
+            if progress:
+                progress(f"staging {name} onto mlx-vlm {label} ...")
+            results.append(stage(patch, tree, folder, models=models, run=run,
+                                 tree_source=(f"the source tree {tree}" if upstream_given else
+                                              f"the {label} wheel from PyPI, unpacked"), pin=label))
+    return results
+
+
+def table(results: List[Result]) -> str:
+    rows = [("patch", "mlx-vlm", "applies", "diff lines", "diff bytes", "staged tests", "logits vs plugin", "result")]
+    for r in results:
+        if not r.stageable:
+            rows.append((r.patch, r.pin, "-", "-", "-", "-", "-", r.error))
+            continue
+        tests = r.tests
+        tests_cell = (f"{tests.get('passed', 0)} passed, {len(tests.get('failed') or [])} failed"
+                      + (f", {tests['counts']['skipped']} skipped" if tests.get("counts", {}).get("skipped") else "")
+                      if tests else "not run")
+        eq = r.equivalence
+        if not eq:
+            eq_cell = "not run"
+        elif "staged_equals_plugin" in eq:
+            same = sum(eq["staged_equals_plugin"].values())
+            eq_cell = f"{'bitwise' if eq['ok'] else 'DIFFER'} {same}/{len(eq['cases'])}, {eq['served']} served"
+        else:
+            eq_cell = "ERROR"
+        verdict = "ok" if r.ok else ("FAILED: " + (r.error or tests.get("error", "") or eq.get("error", "")
+                                                  or "see stage.json").strip().splitlines()[-1][:120])
+        if r.drift:
+            verdict += f" (drift: {len(r.drift)} upstream objects never verified)"
+        rows.append((r.patch, r.pin, "applies" if r.applies else "DOES NOT APPLY",
+                     str(r.diff.get("lines", "-")), str(r.diff.get("bytes", "-")), tests_cell, eq_cell, verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def run_command(args) -> int:
+    if bool(args.patch) == bool(args.all):
+        print("stage: name one patch, or --all", file=sys.stderr)
+        return 2
+    if args.upstream:
+        trees = {_tree_version(Path(args.upstream)): Path(args.upstream)}
+    else:
+        trees = pinned_trees(Path(args.cache), args.pin)
+    names = list(stageable()) if args.all else [args.patch]
+    try:
+        results = stage_patches(names, trees, Path(args.out), run=not args.no_run, cache=Path(args.cache),
+                                progress=lambda m: print(m, file=sys.stderr, flush=True),
+                                upstream_given=bool(args.upstream))
+    except StageError as exc:
+        print(f"stage: {exc}", file=sys.stderr)
+        return 2
+    print(table(results))
+    summary = Path(args.out) / "summary.json"
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(json.dumps([asdict(r) for r in results], indent=1, default=str) + "\n")
+    print(f"wrote {args.out}/ (PATCH.diff, PR.md, stage.json per patch and pin; summary.json)")
+    if not args.all and not results[0].stageable:
+        return 2
+    return 0 if all(r.ok for r in results) else 1
+
+
+def add_arguments(parser):
+    parser.add_argument("patch", nargs="?", help="the patch to stage (or --all)")
+    parser.add_argument("--all", action="store_true", help="every patch, and print a table")
+    parser.add_argument("--upstream", help="an mlx-vlm source tree (default: each pinned release's wheel)")
+    parser.add_argument("--out", required=True, help="where PATCH.diff, PR.md and stage.json go")
+    parser.add_argument("--pin", action="append", help="only this pinned mlx-vlm version (repeatable)")
+    parser.add_argument("--no-run", action="store_true", help="only generate and git-apply; run no tests")
+    parser.add_argument("--cache", default=str(default_cache()), help="where pinned wheels and tiny models are kept")
+
+
+def add_parser(subparsers):
+    """Register ``stage`` on the glm53-patches command line."""
+    parser = subparsers.add_parser("stage", help="write a patch as an mlx-vlm pull request, and check it",
+                                   description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.set_defaults(run=run_command)
+    return parser
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="glm53-patches stage", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

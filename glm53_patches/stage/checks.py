@@ -1,0 +1,139 @@
+"""Checks of a staged patch: git apply, staged tests and logits in clean interpreters."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+RUNNER = Path(__file__).with_name("runner.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds glm53_patches/
+GIT = ["git", "-c", "user.name=glm53-stage", "-c", "user.email=stage@localhost", "-c", "commit.gpgsign=false"]
+
+
+def site_packages() -> List[str]:
+    """This interpreter's site-packages (mlx, pytest, ...), without running .pth files."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
+def clean_environment(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """os.environ without GLM53_*, PYTHON* and any staged switch, plus ``extra``."""
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("GLM53_", "PYTHON", "MLX_VLM_"))
+    }
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_isolated(job: Dict, work: Path, *, env: Dict[str, str], timeout: float = 600) -> Dict:
+    """Run runner.py on ``job`` in ``python -I -S``; return its JSON report."""
+    work.mkdir(parents=True, exist_ok=True)
+    job = {**job, "work": str(work), "out": str(work / f"{job['task']}-report.json")}
+    job_path = work / f"{job['task']}-job.json"
+    job_path.write_text(json.dumps(job, indent=1))
+    completed = subprocess.run(
+        [sys.executable, "-I", "-S", str(RUNNER), str(job_path)],
+        cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    (work / f"{job['task']}-output.txt").write_text(completed.stdout + completed.stderr)
+    try:
+        report = json.loads(Path(job["out"]).read_text())
+    except (OSError, ValueError):
+        report = {"ok": False, "error": f"runner exited {completed.returncode}: {completed.stderr[-2000:]}"}
+    report["output"] = completed.stdout[-3000:] + completed.stderr[-3000:]
+    return report
+
+
+# -- git ------------------------------------------------------------------------------------
+
+
+def git_copy(tree: Path, dest: Path) -> Path:
+    """A clean git repository holding a copy of the upstream tree's mlx_vlm/."""
+    dest.mkdir(parents=True)
+    shutil.copytree(Path(tree) / "mlx_vlm", dest / "mlx_vlm", ignore=shutil.ignore_patterns("__pycache__"))
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "upstream"]):
+        subprocess.run(GIT + command, cwd=dest, check=True, capture_output=True)
+    return dest
+
+
+def git_apply(repo: Path, diff: Path, check: bool) -> subprocess.CompletedProcess:
+    """``git apply [--check]``: git applies only when every context line matches (no fuzz)."""
+    command = GIT + ["apply", "--verbose"] + (["--check"] if check else []) + [str(diff)]
+    return subprocess.run(command, cwd=repo, capture_output=True, text=True)
+
+
+def git_changes(repo: Path) -> Dict[str, str]:
+    """{path: status} of the working tree against the upstream commit."""
+    listing = subprocess.run(GIT + ["status", "--porcelain", "-uall"], cwd=repo, check=True,
+                             capture_output=True, text=True).stdout
+    return {line[3:]: line[:2].strip() for line in listing.splitlines()}
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+
+def staged_tests(repo: Path, tests: List[str], switch_module: Optional[str], work: Path) -> Dict:
+    """The staged tests, run in the applied tree with glm53_patches unimportable."""
+    job = {
+        "task": "pytest", "isolated": True, "tree": str(repo),
+        "path": [str(repo)] + site_packages(),
+        "tests": [str(repo / t) for t in tests], "switch_module": switch_module,
+    }
+    return run_isolated(job, work, env=clean_environment())
+
+
+def staged_logits(repo: Path, models: Dict[str, str], switch: Optional[str], switch_module: Optional[str],
+                  fast_path: str, work: Path) -> Dict:
+    """Greedy logits of the tiny checkpoints in the applied tree, switch on (then off)."""
+    job = {
+        "task": "logits", "isolated": True, "tree": str(repo),
+        "path": [str(repo)] + site_packages(), "models": models,
+        "switch_module": switch_module, "fast_path": fast_path, "arrays": str(work / "staged.safetensors"),
+    }
+    return run_isolated(job, work, env=clean_environment({switch: "1"} if switch else {}))
+
+
+def plugin_logits(tree: Path, models: Dict[str, str], name: str, package: str, work: Path) -> Dict:
+    """The same logits from the stock tree with the plugin's patch applied (and without)."""
+    job = {
+        "task": "logits", "isolated": False, "tree": str(tree),
+        "path": [str(tree), str(REPO_ROOT)] + site_packages(), "models": models,
+        "plugin": {"name": name, "package": package}, "arrays": str(work / "plugin.safetensors"),
+    }
+    state = tempfile.mkdtemp(prefix="glm53-stage-state-")
+    try:
+        return run_isolated(job, work, env=clean_environment({"GLM53_PATCHES_STATE_DIR": state}))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def bitwise_equal(a, b) -> bool:
+    import mlx.core as mx
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = {8: mx.uint64, 4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.itemsize]
+    return bool(mx.array_equal(a.view(view), b.view(view)).item())
+
+
+def compare_logits(plugin_file: Path, staged_file: Path) -> Dict:
+    """Per case: staged == plugin, switch off == stock, and staged == stock."""
+    import mlx.core as mx
+
+    plugin, staged = mx.load(str(plugin_file)), mx.load(str(staged_file))
+    cases = sorted(k.split("/", 1)[1] for k in plugin if k.startswith("plugin/"))
+    result = {"cases": cases, "staged_equals_plugin": {}, "off_equals_stock": {}, "staged_equals_stock": {}}
+    for case in cases:
+        result["staged_equals_plugin"][case] = bitwise_equal(plugin[f"plugin/{case}"], staged[f"staged/{case}"])
+        result["staged_equals_stock"][case] = bitwise_equal(plugin[f"stock/{case}"], staged[f"staged/{case}"])
+        if f"off/{case}" in staged:
+            result["off_equals_stock"][case] = bitwise_equal(plugin[f"stock/{case}"], staged[f"off/{case}"])
+        result.setdefault("tokens", {})[case] = int(plugin[f"plugin/{case}"].shape[0])
+    return result

@@ -1,0 +1,232 @@
+"""Runs inside a fresh interpreter: ``python -I -S runner.py JOB.json``.
+
+This file is a standalone script: it imports nothing from glm53_patches
+unless the job is the plugin run. ``-I -S`` means no user site, no PYTHON*
+variables and no ``site`` module, so no ``.pth`` file runs (neither the
+editable install's path entry nor the glm53-patches bootstrap); ``sys.path``
+is exactly the job's ``path`` list plus the standard library.
+
+Jobs (``task``):
+
+``pytest``  run the staged upstream tests of an applied tree.
+``logits``  greedy decoding of the tiny checkpoints, logits saved bit for bit:
+            ``plugin`` mode (stock tree + glm53_patches) saves ``stock/*`` and
+            ``plugin/*``; staged mode saves ``staged/*`` (switch on, from the
+            environment) and ``off/*`` (``ENABLED`` set False in process).
+
+With ``isolated`` the script first proves that glm53_patches cannot be
+imported, then blocks it for the rest of the run and records any attempt.
+The result goes to ``out`` as JSON.
+"""
+
+import importlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+
+# Greedy decoding cases, shared by the plugin run and the staged run:
+# case -> (checkpoint, prompts, steps). Batches are left-padded the way the
+# batch generator pads them.
+PROMPT = [5, 17, 33, 101, 7, 250, 3]
+CASES = {
+    "fp32": ("fp32", [PROMPT], 24),
+    "fp32-batch3": ("fp32", [PROMPT, [9, 8, 7], [44, 45, 46, 47, 48]], 12),
+    "q4": ("q4", [PROMPT], 12),
+}
+
+
+class _Blocker(importlib.abc.MetaPathFinder):
+    """Refuses glm53_patches (and records each attempt)."""
+
+    def __init__(self):
+        self.attempts = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "glm53_patches" or name.startswith("glm53_patches."):
+            self.attempts.append(name)
+            raise ModuleNotFoundError(f"{name} is blocked in the staged run", name=name)
+        return None
+
+
+def _isolate(job, report):
+    leaked = sorted(k for k in os.environ if k.startswith("GLM53_"))
+    # An installed wheel or editable install may leave a data-only folder
+    # (upstream_pins.txt) on site-packages: a namespace package with no code.
+    spec = importlib.util.find_spec("glm53_patches")
+    code = []
+    if spec is not None:
+        code += [spec.origin] if spec.origin else []
+        for folder in spec.submodule_search_locations or []:
+            code += sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py"))
+    report["isolation"] = {
+        "glm53_variables": leaked,
+        "glm53_patches_code": code,
+        "site_imported": "site" in sys.modules,
+        "bootstrap_imported": "glm53_patches._bootstrap" in sys.modules,
+        "sys_path": list(sys.path),
+    }
+    if leaked or code or "site" in sys.modules:
+        raise SystemExit(f"not isolated: {report['isolation']}")
+    blocker = _Blocker()
+    sys.meta_path.insert(0, blocker)
+    return blocker
+
+
+def _check_tree(job, report):
+    import mlx_vlm
+
+    report["mlx_vlm_file"] = mlx_vlm.__file__
+    if not os.path.realpath(mlx_vlm.__file__).startswith(os.path.realpath(job["tree"]) + os.sep):
+        raise SystemExit(f"mlx_vlm came from {mlx_vlm.__file__}, not from {job['tree']}")
+
+
+def _switch_module(job):
+    if not job.get("switch_module"):
+        return None
+    return importlib.import_module(job["switch_module"])
+
+
+# -- pytest ------------------------------------------------------------------------------
+
+
+def run_pytest(job, report):
+    import xml.etree.ElementTree as ElementTree
+
+    import pytest
+
+    module = _switch_module(job)
+    report["enabled_at_import"] = None if module is None else bool(module.ENABLED)
+    junit = os.path.join(job["work"], "junit.xml")
+    ini = os.path.join(job["work"], "pytest.ini")
+    with open(ini, "w") as f:
+        f.write("[pytest]\n")
+    args = list(job["tests"]) + [
+        "-q", "-p", "no:cacheprovider", "-c", ini, "--rootdir", job["tree"], f"--junitxml={junit}",
+    ]
+    start = time.perf_counter()
+    report["exit_code"] = int(pytest.main(args))
+    report["seconds"] = round(time.perf_counter() - start, 2)
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    if os.path.exists(junit):
+        root = ElementTree.parse(junit).getroot()
+        for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
+            for key in counts:
+                counts[key] += int(suite.get(key, 0))
+            for case in suite.iter("testcase"):
+                if case.find("failure") is not None or case.find("error") is not None:
+                    failed.append(f"{case.get('classname')}::{case.get('name')}")
+    report["counts"] = counts
+    report["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    report["failed"] = failed
+
+
+# -- logits ------------------------------------------------------------------------------
+
+
+def _greedy(language_model, prompts, steps):
+    import mlx.core as mx
+
+    from mlx_vlm.generate.ar import _make_cache
+
+    width = max(map(len, prompts))
+    padding = [width - len(p) for p in prompts]
+    cache = language_model.make_cache() if len(prompts) == 1 else _make_cache(language_model, padding)
+    tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
+    logits = language_model(tokens, cache=cache).logits[:, -1]
+    out = []
+    for _ in range(steps):
+        mx.eval(logits)
+        out.append(logits)
+        logits = language_model(mx.argmax(logits, axis=-1)[:, None], cache=cache).logits[:, -1]
+    return mx.stack(out)
+
+
+def _decode_all(models, prefix, arrays):
+    for case, (checkpoint, prompts, steps) in CASES.items():
+        arrays[f"{prefix}/{case}"] = _greedy(models[checkpoint].language_model, prompts, steps)
+
+
+def _count_fast_path(job):
+    """Wrap FAST_PATH (module:function) to count its non-None results."""
+    module_name, _, function = job["fast_path"].partition(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, function)
+    counts = {"served": 0, "declined": 0}
+
+    def counted(*args, **kwargs):
+        output = original(*args, **kwargs)
+        counts["served" if output is not None else "declined"] += 1
+        return output
+
+    setattr(module, function, counted)
+    return counts
+
+
+def run_logits(job, report):
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from mlx_vlm.utils import load_model
+
+    models = {name: load_model(Path(path)) for name, path in job["models"].items()}
+    arrays = {}
+    if job.get("plugin"):
+        importlib.import_module(job["plugin"]["package"])
+        from glm53_patches import registry
+
+        registry.register_plugin(sys.modules[job["plugin"]["package"]])
+        name = job["plugin"]["name"]
+        patch = registry.available()[name]
+        _decode_all(models, "stock", arrays)
+        patch.stats.reset()
+        registry.apply([name], strict=True)
+        try:
+            _decode_all(models, "plugin", arrays)
+        finally:
+            registry.revert([name])
+        report["plugin_stats"] = patch.stats.snapshot()
+    else:
+        module = _switch_module(job)
+        report["enabled_at_import"] = None if module is None else bool(module.ENABLED)
+        counts = _count_fast_path(job)
+        _decode_all(models, "staged", arrays)
+        report["fast_path"] = dict(counts)
+        if module is not None:
+            module.ENABLED = False
+            counts.update(served=0, declined=0)
+            _decode_all(models, "off", arrays)
+            report["fast_path_off"] = dict(counts)
+    mx.save_safetensors(job["arrays"], arrays)
+    report["cases"] = {case: list(spec[1:]) for case, spec in CASES.items()}
+
+
+def main(job_path):
+    with open(job_path) as f:
+        job = json.load(f)
+    sys.path[:] = list(job["path"]) + [p for p in sys.path if p not in job["path"]]
+    report = {"task": job["task"]}
+    blocker = None
+    try:
+        if job.get("isolated"):
+            blocker = _isolate(job, report)
+        _check_tree(job, report)
+        {"pytest": run_pytest, "logits": run_logits}[job["task"]](job, report)
+        report["ok"] = True
+    except BaseException as exc:  # report everything, then fail
+        report["ok"] = False
+        report["error"] = "".join(traceback.format_exception(exc))[-4000:]
+    if blocker is not None:
+        report["blocked_imports"] = blocker.attempts
+    with open(job["out"], "w") as f:
+        json.dump(report, f, indent=1)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,473 @@
+"""`glm53-patches stage`: every patch with an upstream form, on every pinned mlx-vlm.
+
+For each (patch, pin): the diff applies with `git apply --check` and `git apply`
+to a clean git copy of that release's source, touching exactly the files it
+names; the staged tests pass there in an interpreter where glm53_patches
+cannot be imported; and the tiny model's greedy logits from that tree are
+bitwise those of the plugin applied to the stock release. Each pin's wheel is
+downloaded once per session into a temporary cache.
+"""
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from glm53_patches import pins, stage, verify_records
+from glm53_patches.stage import checks, pr, source
+
+PINS = pins.mlx_vlm_versions()
+
+
+def _described():
+    found = {}
+    for name, patch in stage.stageable().items():
+        if not isinstance(patch, Exception) and source.describe(patch) is not None:
+            found[name] = (patch, source.describe(patch))
+    return found
+
+
+DESCRIBED = _described()
+CASES = [(name, pin) for name in DESCRIBED for pin in PINS]
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("stage-cache")
+
+
+@pytest.fixture(scope="session")
+def releases(cache):
+    return stage.pinned_trees(cache)
+
+
+@pytest.fixture(scope="session")
+def models(cache):
+    return stage.tiny_models(cache)
+
+
+def git(repo, *args, check=True):
+    command = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args]
+    return subprocess.run(command, cwd=repo, capture_output=True, text=True, check=check)
+
+
+def clean_repo(tree, dest):
+    """A git repository whose only commit is the release's mlx_vlm/ package."""
+    dest.mkdir()
+    subprocess.run(["cp", "-r", str(tree / "mlx_vlm"), str(dest)], check=True)
+    git(dest, "init", "-q")
+    git(dest, "add", "-A")
+    git(dest, "commit", "-q", "-m", "release")
+    return dest
+
+
+def diff_files(diff_text):
+    """{path: 'new' | 'changed'} from the diff's own headers."""
+    files, current = {}, None
+    for line in diff_text.splitlines():
+        if line.startswith("diff --git a/"):
+            current = line.split(" b/", 1)[1]
+            files[current] = "changed"
+        elif line == "new file mode 100644":
+            files[current] = "new"
+    return files
+
+
+def bits(a):
+    return np.array(a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize]))
+
+
+# -- the upstream form is the plugin's code ----------------------------------------------------------
+
+
+def _top_level_names(tree):
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+class _DropCallsOn(ast.NodeTransformer):
+    """Removes statements `name.method(...)` for the given names."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def visit_Expr(self, node):
+        func = getattr(node.value, "func", None)
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in self.names:
+            return None
+        return node
+
+
+def _imports(tree, module):
+    """{(absolute module, name, alias)} of a module's top-level from-imports."""
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), module.rpartition(".")[0]) \
+                if node.level else node.module
+            found.update((base, a.name, a.asname) for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update((a.name, None, a.asname) for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("name", DESCRIBED)
+def test_upstream_module_is_the_plugin_module(name, releases):
+    """Same statements, in the same order, as the plugin module, except: plugin
+    wiring (names that do not exist upstream, and calls on them), the declared
+    plugin-only definitions, and the switch."""
+    patch, described = DESCRIBED[name]
+    staged = source.stage_source(described, releases[PINS[0]])
+    for module, path in described.modules.items():
+        plugin_tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        upstream_tree = ast.parse(staged.new_files[path])
+        upstream_module = path[:-3].replace("/", ".")
+        gone = _top_level_names(plugin_tree) - _top_level_names(upstream_tree)
+        assert gone >= set(described.plugin_only)
+        replaced = set(described.replace)  # declared upstream rewrites: compared by name only
+        kept = [
+            ast.dump(_DropCallsOn(gone).visit(node))
+            for node in plugin_tree.body
+            if not isinstance(node, (ast.Import, ast.ImportFrom))
+            and not (_top_level_names(ast.Module([node], [])) & (gone | replaced))
+        ]
+        upstream = [
+            ast.dump(node)
+            for node in upstream_tree.body
+            if not isinstance(node, (ast.Import, ast.ImportFrom))
+            and not (described.switch and _top_level_names(ast.Module([node], [])) == {"ENABLED"})
+            and not (_top_level_names(ast.Module([node], [])) & replaced)
+        ]
+        assert upstream == kept
+        assert replaced <= _top_level_names(upstream_tree)
+        # Imports: the plugin's, minus glm53_patches, resolved to the same modules.
+        new_names = {m: p[:-3].replace("/", ".") for m, p in described.modules.items()}
+        plugin_imports = set()
+        for base, imported, alias in _imports(plugin_tree, module):
+            if f"{base}.{imported}" in new_names:  # `from . import step`: another mapped module
+                base, imported = new_names[f"{base}.{imported}"].rpartition(".")[::2]
+            plugin_imports.add((new_names.get(base, base), imported, alias))
+        plugin_imports = {i for i in plugin_imports if not i[0].startswith("glm53_patches")}
+        upstream_imports = _imports(upstream_tree, upstream_module)
+        assert upstream_imports - {("os", None, None)} == plugin_imports
+        if described.switch:
+            assert ("os", None, None) in upstream_imports
+            enabled = [n for n in upstream_tree.body if _top_level_names(ast.Module([n], [])) == {"ENABLED"}]
+            assert len(enabled) == 1 and described.switch in ast.unparse(enabled[0])
+        assert "glm53" not in staged.new_files[path].lower()
+
+
+@pytest.mark.parametrize("pin", PINS)
+@pytest.mark.parametrize("name", DESCRIBED)
+def test_hooks_go_first_in_the_function_on_every_pin(name, pin, releases):
+    """Remove the hook lines and the one added import: the stock file's AST is back."""
+    _, described = DESCRIBED[name]
+    staged = source.stage_source(described, releases[pin])
+    for path, (stock_text, staged_text) in staged.changed_files.items():
+        assert stock_text == (releases[pin] / path).read_text()
+        tree = ast.parse(staged_text)
+        for hook in (h for h in described.hooks if h["file"] == path):
+            owner = tree
+            *outer, function_name = hook["function"].split(".")
+            for part in outer:
+                owner = next(n for n in owner.body if isinstance(n, ast.ClassDef) and n.name == part)
+            function = next(n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == function_name)
+            hook_code = ast.parse(hook["code"]).body
+            start = 1 if ast.get_docstring(function) else 0
+            assert [ast.dump(n) for n in function.body[start:start + len(hook_code)]] == [ast.dump(n) for n in hook_code]
+            del function.body[start:start + len(hook_code)]
+            added = ast.dump(ast.parse(hook["import"]).body[0])
+            tree.body = [n for n in tree.body if ast.dump(n) != added]
+        assert ast.dump(tree) == ast.dump(ast.parse(stock_text))
+
+
+# -- the rules, on a synthetic plugin module ------------------------------------------------------------
+
+PROBE = '''"""A plugin module."""
+
+import functools
+
+from mlx_vlm.models.cache import ArraysCache
+from glm53_patches import config
+from glm53_patches.kernels import helper as kernel_helper
+
+from . import PATCH
+
+stats = PATCH.stats
+KNOB = config.knob("probe", "knob")
+
+
+@functools.lru_cache
+def fast(x):
+    if x is None:
+        stats.fallback("none")  # counted
+        return None
+    stats.hit()
+    return kernel_helper.run(x, ArraysCache)
+
+
+# The wrapper the plugin installs.
+def make_call(original):
+    return original
+'''
+
+
+def probe_description(**changes):
+    fields = dict(
+        name="probe", package="glm53_patches.patches.probe", folder=Path("."), title="t", switch="MLX_VLM_PROBE",
+        modules={"glm53_patches.patches.probe.step": "mlx_vlm/models/glm5_next/probe.py",
+                 "glm53_patches.kernels.helper": "mlx_vlm/models/glm5_next/probe_kernel.py"},
+        plugin_only=("make_call",), replace={"KNOB": 'KNOB = os.environ.get("MLX_VLM_PROBE_KNOB")'},
+        hooks=(), tests={}, fast_path=None, pr_sections=(),
+    )
+    fields.update(changes)
+    return source.Description(**fields)
+
+
+def probe_upstream(text=PROBE, **changes):
+    return source.upstream_module(text, "glm53_patches.patches.probe.step", "mlx_vlm/models/glm5_next/probe.py",
+                                  probe_description(**changes), "MLX_VLM_PROBE")
+
+
+def test_rules_on_a_synthetic_module():
+    text = probe_upstream()
+    lines = text.splitlines()
+    assert lines[:5] == ['"""A plugin module."""', "", "import functools", "import os", ""]
+    assert "from ..cache import ArraysCache" in lines
+    assert "from . import probe_kernel as kernel_helper" in lines
+    assert 'KNOB = os.environ.get("MLX_VLM_PROBE_KNOB")' in lines
+    assert 'ENABLED = os.environ.get("MLX_VLM_PROBE", "0") == "1"' in lines
+    for gone in ("PATCH", "stats", "make_call", "The wrapper", "glm53", "config", "counted"):
+        assert gone not in text, gone
+    function = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef))
+    expected = ast.parse("@functools.lru_cache\ndef fast(x):\n    if x is None:\n        return None\n"
+                         "    return kernel_helper.run(x, ArraysCache)\n").body[0]
+    assert ast.dump(function) == ast.dump(expected)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (("        return None\n", ""), "only counters"),
+    (("    stats.hit()\n", "    print(PATCH.name)\n"), "plugin-only names"),
+    (("    return original\n", "    return original\n\n\nHELP = 'see glm53 docs'\n"), "mentions glm53"),
+    (("from glm53_patches import config\n", "from glm53_patches import config\nimport mlx_vlm.models.cache\n"),
+     "from-import"),
+])
+def test_rules_refuse(edit, message):
+    with pytest.raises(source.StageError, match=message):
+        probe_upstream(PROBE.replace(*edit))
+
+
+HOOKED = '''import mlx.core as mx
+
+from ..cache import ArraysCache
+from .config import TextConfig
+
+
+class Layer:
+    def __call__(self, x):
+        """Doc."""
+        return x
+
+    def short(self, x): return x
+'''
+
+
+def test_hook_placement_and_refusals():
+    hook = {"file": "f.py", "function": "Layer.__call__", "import": "from . import fast", "code": "if fast.ON:\n    return 1\n"}
+    text = source.insert_hook(HOOKED, hook, "probe")
+    assert text.splitlines()[3:5] == ["from . import fast", "from .config import TextConfig"]
+    assert '        """Doc."""\n        if fast.ON:\n            return 1\n        return x\n' in text
+    with pytest.raises(source.StageError, match="one line"):
+        source.insert_hook(HOOKED, {**hook, "function": "Layer.short"}, "probe")
+    with pytest.raises(source.StageError, match="not a function"):
+        source.insert_hook(HOOKED, {**hook, "function": "Layer.missing"}, "probe")
+
+
+def test_diff_of_a_file_without_final_newline_applies(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "mlx_vlm").mkdir(parents=True)
+    (repo / "mlx_vlm" / "a.py").write_text("x = 1\ny = 2")
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base")
+    diff = source.unified_diff({"mlx_vlm/a.py": ("x = 1\ny = 2", "x = 1\ny = 3\n")}, {"mlx_vlm/b.py": "z = 0"})
+    (tmp_path / "d.diff").write_text(diff)
+    git(repo, "apply", "--check", str(tmp_path / "d.diff"))
+    git(repo, "apply", str(tmp_path / "d.diff"))
+    assert (repo / "mlx_vlm" / "a.py").read_text() == "x = 1\ny = 3\n"
+    assert (repo / "mlx_vlm" / "b.py").read_text() == "z = 0"
+
+
+# -- every patch, every pin: apply, run the staged tests without the plugin, same logits ---------------
+
+
+def test_the_staged_interpreter_cannot_import_glm53_patches(tmp_path):
+    """The flags the staged runs use: no site, no .pth, glm53_patches not importable."""
+    probe = (
+        "import importlib.util, os, sys; sys.path[:0] = %r;"
+        "spec = importlib.util.find_spec('glm53_patches');"
+        "code = spec and (spec.origin or [f for d in spec.submodule_search_locations for f in os.listdir(d) if f.endswith('.py')]);"
+        "print(repr(code), 'site' in sys.modules)"
+    ) % (checks.site_packages(),)
+    env = checks.clean_environment()
+    assert not [k for k in env if k.startswith("GLM53_")]
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", probe], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split() in (["None", "False"], ["[]", "False"])
+    # While the same interpreter with site (the .pth files) can import it:
+    done = subprocess.run([sys.executable, "-c", "import glm53_patches.registry"], cwd=tmp_path)
+    assert done.returncode == 0
+
+
+@pytest.mark.parametrize("name,pin", CASES)
+def test_stage_applies_passes_and_matches_the_plugin(name, pin, releases, models, tmp_path):
+    patch, described = DESCRIBED[name]
+    tree = releases[pin]
+    result = stage.stage(patch, tree, tmp_path / "out", run=False, pin=pin)
+    assert result.applies and not result.error, result.error
+    diff = (tmp_path / "out" / "PATCH.diff").read_text()
+    assert result.diff["lines"] == len(diff.splitlines()) and result.diff["bytes"] == len(diff.encode())
+
+    repo = clean_repo(tree, tmp_path / "repo")
+    git(repo, "apply", "--check", str(tmp_path / "out" / "PATCH.diff"))
+    applied = git(repo, "apply", "--verbose", str(tmp_path / "out" / "PATCH.diff"))
+    assert "offset" not in applied.stderr and "fuzz" not in applied.stderr
+    status = {line[3:]: line[:2].strip() for line in git(repo, "status", "--porcelain", "-uall").stdout.splitlines()}
+    expected = {path: ("??" if kind == "new" else "M") for path, kind in diff_files(diff).items()}
+    assert status == expected
+    assert set(described.tests.values()) <= {p for p, kind in diff_files(diff).items() if kind == "new"}
+
+    tests = checks.staged_tests(repo, list(described.tests.values()), described.switch_module, tmp_path / "pytest")
+    assert tests["ok"], tests.get("error")
+    assert tests["exit_code"] == 0, tests["output"]
+    assert tests["counts"]["tests"] > 0 and tests["counts"]["tests"] == tests["passed"], tests["counts"]
+    assert tests["failed"] == [] and tests["counts"]["skipped"] == 0
+    assert tests["isolation"]["glm53_patches_code"] == [] and not tests["isolation"]["site_imported"]
+    assert tests["blocked_imports"] == []
+    assert Path(tests["mlx_vlm_file"]).resolve().is_relative_to(repo.resolve())
+    if described.switch:
+        assert tests["enabled_at_import"] is False  # default off
+
+    plugin = checks.plugin_logits(tree, models, name, described.package, tmp_path / "plugin")
+    staged = checks.staged_logits(repo, models, described.switch, described.switch_module,
+                                  described.fast_path, tmp_path / "staged")
+    assert plugin["ok"], plugin.get("error")
+    assert staged["ok"], staged.get("error")
+    assert staged["isolation"]["glm53_patches_code"] == [] and staged["blocked_imports"] == []
+    assert staged["enabled_at_import"] is (True if described.switch else None)
+    assert staged["fast_path"]["served"] > 0 and sum(plugin["plugin_stats"]["hits"].values()) > 0
+    plugin_arrays = mx.load(str(tmp_path / "plugin" / "plugin.safetensors"))
+    staged_arrays = mx.load(str(tmp_path / "staged" / "staged.safetensors"))
+    cases = [key.split("/", 1)[1] for key in plugin_arrays if key.startswith("plugin/")]
+    assert len(cases) >= 3
+    for case in cases:
+        ref, got = plugin_arrays[f"plugin/{case}"], staged_arrays[f"staged/{case}"]
+        assert ref.shape == got.shape and ref.shape[0] >= 12
+        assert np.array_equal(bits(ref), bits(got)), f"{case}: staged differs from the plugin"
+        if patch.numerics == "exact":
+            assert np.array_equal(bits(plugin_arrays[f"stock/{case}"]), bits(got)), f"{case}: differs from stock"
+        if described.switch:  # switched off, the staged tree is the stock release
+            assert np.array_equal(bits(plugin_arrays[f"stock/{case}"]), bits(staged_arrays[f"off/{case}"]))
+    if described.switch:
+        assert staged["fast_path_off"]["served"] == 0
+
+
+def test_a_diff_is_exact_to_its_pin(releases, tmp_path):
+    """The context of a diff staged on one pin does not match another pin's file."""
+    name = next(iter(DESCRIBED))
+    patch, described = DESCRIBED[name]
+    texts = {pin: (releases[pin] / described.hooks[0]["file"]).read_text() for pin in PINS}
+    first, other = PINS[0], next((p for p in PINS if texts[p] != texts[PINS[0]]), None)
+    assert other is not None, "every pin has the same hooked file"
+    stage.stage(patch, releases[first], tmp_path / "out", run=False, pin=first)
+    repo = clean_repo(releases[other], tmp_path / "repo")
+    check = git(repo, "apply", "--check", str(tmp_path / "out" / "PATCH.diff"), check=False)
+    assert check.returncode != 0
+
+
+def test_stage_reports_a_tree_without_the_hooked_function(releases, tmp_path):
+    name = next(iter(DESCRIBED))
+    patch, described = DESCRIBED[name]
+    tree = tmp_path / "tree"
+    subprocess.run(["cp", "-r", str(releases[PINS[0]]), str(tree)], check=True)
+    hook = described.hooks[0]
+    path = tree / hook["file"]
+    owner, function = hook["function"].rsplit(".", 1)
+    head, tail = path.read_text().split(f"class {owner.split('.')[-1]}(", 1)
+    tail = tail.replace(f"def {function}(", f"def renamed_{function.strip('_')}(", 1)
+    path.write_text(f"{head}class {owner.split('.')[-1]}({tail}")
+    result = stage.stage(patch, tree, tmp_path / "out", run=False)
+    assert not result.applies and hook["function"] in result.error
+    assert "DOES NOT APPLY" in stage.table([result])
+
+
+# -- the command and the PR text --------------------------------------------------------------------------
+
+
+def test_stage_all_prints_a_row_per_patch_and_pin(releases, cache, tmp_path, capsys):
+    code = stage.main(["--all", "--no-run", "--out", str(tmp_path), "--cache", str(cache)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    rows = [line.split() for line in printed.splitlines()[1:] if line and not line.startswith("wrote")]
+    for name in DESCRIBED:
+        mine = [row for row in rows if row[0] == name]
+        assert [row[1] for row in mine] == PINS and all(row[2] == "applies" for row in mine)
+        for row, pin in zip(mine, PINS):
+            diff = (tmp_path / name / f"mlx-vlm-{pin}" / "PATCH.diff").read_text()
+            assert row[3:5] == [str(len(diff.splitlines())), str(len(diff.encode()))]
+    for name, patch in stage.stageable().items():
+        if name not in DESCRIBED:
+            assert [row[1:3] for row in rows if row[0] == name] == [["-", "-"]]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary) == len(DESCRIBED) * len(PINS) + len(stage.stageable()) - len(DESCRIBED)
+
+
+def test_pr_text_has_its_sources(releases, tmp_path, monkeypatch):
+    name = next(iter(DESCRIBED))
+    patch, described = DESCRIBED[name]
+    record = {"exact": True, "passed": True, "max_abs_diff": 0.0, "cases": 7, "seconds": 1.5,
+              "date": "2031-02-03", "detail": "probe record for the PR text"}
+    verify_records.record(name, "metal", record)  # into this test's own state folder
+    bench = tmp_path / "bench-results"
+    bench.mkdir()
+    (bench / "run.json").write_text(json.dumps({
+        "date": "2031-04-05", "device": {"backend": "cuda", "device_name": "Probe GPU", "mlx": "9.9", "mlx_vlm": "8.8"},
+        "model": {"preset": "real", "layers": 45, "hidden_size": 4096, "dtype": "bfloat16"},
+        "arms": {"stock": {"patches": []}, name: {"patches": [name], "counters": {f"{name}.hits.call": 77}}},
+        "decode": {"4096": {"arms": {"stock": {"median": 20.0, "min": 19.0, "max": 21.0},
+                                     name: {"median": 10.0, "min": 9.0, "max": 11.0, "ratio_vs_stock": 2.0}}}},
+        "verdicts": {name: "ok (bit-identical)"},
+    }))
+    monkeypatch.setattr(pr, "BENCH_DIR", bench)
+    result = stage.stage(patch, releases[PINS[0]], tmp_path / "out", run=False, pin=PINS[0])
+    text = (tmp_path / "out" / "PR.md").read_text()
+    diff = (tmp_path / "out" / "PATCH.diff").read_text()
+    assert text.startswith(f"# {described.title}\n")
+    assert f"mlx-vlm {PINS[0]}" in text and f"{len(diff.splitlines())} lines, {len(diff.encode())} bytes" in text
+    if described.switch:
+        assert f"`{described.switch}=1`" in text
+    markdown = (described.folder / "PATCH.md").read_text()
+    for heading, wanted in described.pr_sections:
+        assert f"## {heading}" in text
+        for part in wanted:
+            body = markdown.split(f"## {part}", 1)[1].split("\n## ", 1)[0]
+            first_paragraph = body.split("\n", 1)[1].strip().split("\n\n")[0]
+            assert first_paragraph in text
+    assert "2031-02-03" in text and "probe record for the PR text" in text and "metal" in text
+    assert "2031-04-05" in text and "Probe GPU" in text and "stock 20.000 ms/token" in text and "2.00x" in text
+    assert "call 77" in text
+    assert result.applies
