@@ -85,6 +85,8 @@ def cmd_status(args):
             fallbacks = ", ".join(f"{k}={v}" for k, v in sorted(stats["fallbacks"].items())) or "none"
             reason = f" ({entry['reason']})" if entry["reason"] else ""
             print(f"  {name:24} {entry['state']}{reason}; hits {hits}, fallbacks: {fallbacks}")
+            if entry.get("detail"):
+                print(f"  {'':24} {entry['detail']}")
     return 0
 
 

@@ -1,11 +1,31 @@
 """The Patch type: everything about one patch is declared data."""
 
+import importlib
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 from .stats import Stats
 
 GLM5_NEXT = "mlx_vlm.models.glm5_next.language"
+
+
+def lazy(module: str, name: str, *, only_if_loaded: bool = False):
+    """A function that imports `module` on first call and calls its `name`.
+
+    Patch plugins declare their factories, checks and revert hooks this way, so
+    that discovering a plugin imports neither mlx nor mlx-vlm. With
+    `only_if_loaded`, the call does nothing when the module was never imported
+    (nothing to drop on revert).
+    """
+
+    def call(*args, **kwargs):
+        if only_if_loaded and module not in sys.modules:
+            return None
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = f"lazy:{module}.{name}"
+    return call
 
 
 @dataclass(eq=False)

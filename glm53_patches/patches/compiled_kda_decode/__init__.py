@@ -4,31 +4,11 @@ The implementation lives in ``step.py`` and is imported on first use, so
 discovering this plugin imports neither mlx nor mlx-vlm.
 """
 
-import sys
-
 from glm53_patches.hookspecs import hookimpl
-from glm53_patches.patch import GLM5_NEXT, Patch
+from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
 _CACHE = "mlx_vlm.models.cache:ArraysCache"
 _GATED = "mlx_vlm.models.gated_delta"
-
-
-def _make_call(original):
-    from .step import make_call
-
-    return make_call(original)
-
-
-def _verify():
-    from .verify import verify
-
-    return verify()
-
-
-def _on_revert():
-    step = sys.modules.get(f"{__name__}.step")
-    if step is not None:
-        step.clear()
 
 
 PATCH = Patch(
@@ -38,7 +18,7 @@ PATCH = Patch(
         "mx.compile'd graph (projections, short conv, norms, safe gate, "
         "delta-rule step, gated output norm); bit-identical to stock."
     ),
-    targets={f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__": _make_call},
+    targets={f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__": lazy(f"{__name__}.step", "make_call")},
     relies_on=(
         f"{GLM5_NEXT}:Glm5NextLinearAttention.__init__",
         f"{GLM5_NEXT}:ShortConv1d.__init__",
@@ -66,8 +46,8 @@ PATCH = Patch(
     # after `glm53-patches verify compiled_kda_decode` passed on it.
     kernel_backends=("metal", "cuda"),
     upstream="not yet proposed",
-    on_revert=_on_revert,
-    verify=_verify,
+    on_revert=lazy(f"{__name__}.step", "clear", only_if_loaded=True),
+    verify=lazy(f"{__name__}.verify", "verify"),
 )
 
 

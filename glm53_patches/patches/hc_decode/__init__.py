@@ -6,30 +6,10 @@ kernels in ``glm53_patches/kernels/hc_sinkhorn.py`` and the exactness checks in
 imports neither mlx nor mlx-vlm.
 """
 
-import sys
-
 from glm53_patches.hookspecs import hookimpl
-from glm53_patches.patch import GLM5_NEXT, Patch
+from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
 _HC = "mlx_vlm.models.deepseek_v4.hyper_connection"
-
-
-def _make_call(original):
-    from .layer import make_call
-
-    return make_call(original)
-
-
-def _on_revert():
-    layer = sys.modules.get(f"{__name__}.layer")
-    if layer is not None:
-        layer.clear()
-
-
-def _verify():
-    from .verify import verify
-
-    return verify()
 
 
 PATCH = Patch(
@@ -41,7 +21,7 @@ PATCH = Patch(
         "where `glm53-patches verify` passed, the Sinkhorn collapse is one "
         "kernel launch instead of ~80. Bit-identical to stock."
     ),
-    targets={f"{GLM5_NEXT}:DecoderLayer.__call__": _make_call},
+    targets={f"{GLM5_NEXT}:DecoderLayer.__call__": lazy(f"{__name__}.layer", "make_call")},
     relies_on=(
         f"{GLM5_NEXT}:DecoderLayer.__init__",
         f"{GLM5_NEXT}:Glm5NextTextModel.__call__",
@@ -61,8 +41,8 @@ PATCH = Patch(
     # (or with GLM53_HC_DECODE_KERNEL=1); the compiled path runs elsewhere.
     kernel_backends=("cuda", "metal"),
     upstream="not yet proposed",
-    on_revert=_on_revert,
-    verify=_verify,
+    on_revert=lazy(f"{__name__}.layer", "clear", only_if_loaded=True),
+    verify=lazy(f"{__name__}.verify", "verify"),
 )
 
 

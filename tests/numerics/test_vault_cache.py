@@ -1,0 +1,284 @@
+"""vault_cache, in process: a warm start is bit-identical to the cold prefill it replaces.
+
+The cold reference of a prompt is the same generation with APC on and an
+empty vault (so prefill is chunked at the same checkpoint boundaries); the
+warm run restores from the SSD tier through a fresh APCManager (what a server
+restart sees) or from memory. Logits are compared on their raw bits.
+"""
+
+import json
+import os
+import pickle
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from glm53_patches import registry
+from glm53_patches.hookspecs import hookimpl
+from glm53_patches.patch import Patch
+from glm53_patches.patches import vault_cache
+from glm53_patches.patches.vault_cache import PATCH, keying
+
+NAME = "vault_cache"
+INTERVAL = 32  # APC_CHECKPOINT_INTERVAL_TOKENS for these tests
+TOKENS = 6
+
+
+def token_ids(seed, n):
+    """Random ordinary tokens (the first 18 ids are control tokens)."""
+    return [int(t) for t in np.random.default_rng(seed).integers(20, 500, n)]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_fp32_dir, tiny_q4_dir):
+    from mlx_vlm import load
+
+    return {"fp32": load(str(tiny_fp32_dir)), "q4": load(str(tiny_q4_dir))}
+
+
+@pytest.fixture
+def vault():
+    if NAME not in registry.available():  # until the entry point is installed
+        registry.register_plugin(vault_cache)
+    PATCH.stats.reset()
+    registry.apply([NAME], strict=True)
+    managers = []
+
+    def manager(directory, **overrides):
+        from mlx_vlm import apc
+
+        settings = {"enabled": True, "disk_path": str(directory), "checkpoint_entries": 4,
+                    "checkpoint_interval_tokens": INTERVAL, **overrides}
+        managers.append(apc.from_env(overrides=settings))
+        return managers[-1]
+
+    yield manager
+    for manager_ in managers:
+        manager_.close()
+    registry.revert([NAME])
+
+
+class Run:
+    def __init__(self, tokens, logits, cached):
+        self.tokens, self.logits, self.cached = tokens, logits, cached
+
+
+def generate(model, processor, ids, manager, max_tokens=TOKENS):
+    from mlx_vlm import stream_generate
+
+    logits = []
+
+    def record(tokens, step_logits):
+        logits.append(np.array(step_logits.astype(mx.float32)))
+        return step_logits
+
+    tokens, cached = [], None
+    for result in stream_generate(model, processor, "", input_ids=mx.array([ids]), max_tokens=max_tokens,
+                                  apc_manager=manager, logits_processors=[record], temperature=0.0):
+        if result.token is not None:
+            tokens.append(int(result.token))
+        cached = result.cached_tokens
+    manager.disk.flush()  # APC writes entries in the background
+    return Run(tokens, logits, cached)
+
+
+def assert_bitwise(cold, warm, what):
+    assert warm.tokens == cold.tokens, what
+    assert len(warm.logits) == len(cold.logits) >= TOKENS, what
+    for step, (a, b) in enumerate(zip(cold.logits, warm.logits)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{what}: step {step}"
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q4"])
+def test_warm_logits_and_tokens_are_bit_identical_to_cold(loaded, vault, tmp_path, kind):
+    model, processor = loaded[kind]
+    long = token_ids(1, 130)
+    prompts = {
+        "short": token_ids(2, 20),
+        "medium": token_ids(3, 75),
+        "long": long,
+        "shares 70 tokens": long[:70] + token_ids(4, 45),  # only part of a stored prefix
+        "shares 100 tokens": long[:100] + token_ids(5, 12),
+        "extends by 24 tokens": long + token_ids(6, 24),  # a conversation's next turn
+        "extends by 5 tokens": long + token_ids(7, 5),
+    }
+    shared = tmp_path / "vault"
+    for name in ("short", "medium", "long"):  # fill the vault, cold
+        assert generate(model, processor, prompts[name], vault(shared)).cached == 0
+
+    for i, (name, ids) in enumerate(prompts.items()):
+        cold = generate(model, processor, ids, vault(tmp_path / f"empty-{i}"))
+        restarted = vault(shared)  # a new manager: empty memory tier, the vault on disk
+        warm = generate(model, processor, ids, restarted)
+        again = generate(model, processor, ids, restarted)  # now from the memory tier
+        assert cold.cached == 0
+        if name in ("short", "medium", "long"):
+            assert warm.cached == len(ids) - 1, name  # the prompt's own final checkpoint
+        elif name.startswith("shares"):
+            assert warm.cached == (int(name.split()[1]) // INTERVAL) * INTERVAL, name  # an interval checkpoint
+        elif name == "extends by 24 tokens":
+            assert warm.cached == len(long) - 1, name  # the stored prompt's final checkpoint
+        else:  # resuming at the stored final would prefill 5 tokens through the decode path
+            assert 0 < warm.cached < len(long) - 1, name
+        assert again.cached == len(ids) - 1, name  # the warm run stored its own final checkpoint
+        assert_bitwise(cold, warm, f"{kind} {name} from disk")
+        assert_bitwise(cold, again, f"{kind} {name} from memory")
+    snapshot = PATCH.stats.snapshot()
+    assert snapshot["hits"]["disk"] == len(prompts) and snapshot["hits"]["memory"] == len(prompts)
+    assert snapshot["fallbacks"]["skipped:chunking"] >= 1  # the 5-token extension
+    assert not [r for r in snapshot["fallbacks"] if r.startswith(("refused", "error"))]
+
+
+def _batch(model, processor, prompts, manager, max_tokens=TOKENS):
+    """Prefill `prompts` together the way mlx_vlm.server's continuous batching does."""
+    from mlx_vlm import apc
+    from mlx_vlm.generate.ar import BatchGenerator
+
+    generator = BatchGenerator(model.language_model, processor, apc_manager=manager, stop_tokens=set(),
+                               greedy_sampling=True, max_tokens=max_tokens)
+    salt = apc.semantic_extra_hash(model=model.language_model, processor=processor,
+                                   media={"audio": None, "video": None})  # as the server computes it
+    kwargs = []
+    for ids in prompts:
+        embedded = model.get_input_embeddings(mx.array([ids]), None).to_dict()
+        kwargs.append({**{k: v for k, v in embedded.items() if v is not None}, "_apc_semantic_hash": salt})
+    uids = generator.insert(prompts, max_tokens=max_tokens, prompt_kwargs=kwargs)
+    out, done = {uid: [] for uid in uids}, set()
+    while len(done) < len(uids):
+        for response in generator.next()[1]:
+            out[response.uid].append(int(response.token))
+            if response.finish_reason is not None:
+                done.add(response.uid)
+    generator.close()
+    manager.disk.flush()
+    return [out[uid] for uid in uids]
+
+
+def _recorded_batches(directory):
+    from mlx_vlm.apc import _read_safetensors_metadata
+
+    return [json.loads(_read_safetensors_metadata(p)["vault_batch"]) for p in directory.rglob("exact_*.safetensors")]
+
+
+def test_padded_batches_are_not_harvested_and_equal_batches_restore_exactly(loaded, vault, tmp_path):
+    model, processor = loaded["fp32"]
+    padded = [token_ids(10, 40), token_ids(11, 70)]  # left-padded to a common length
+    equal = [token_ids(12, 50), token_ids(13, 50)]
+    shared = tmp_path / "vault"
+
+    _batch(model, processor, padded, vault(shared))
+    snapshot = PATCH.stats.snapshot()
+    assert snapshot["fallbacks"]["skipped:batched-harvest"] >= 2 and "write" not in snapshot["hits"]
+    assert _recorded_batches(shared) == []
+
+    _batch(model, processor, equal, vault(shared))
+    recorded = _recorded_batches(shared)
+    assert recorded and all(b["rows"] == 2 and b["equal_suffix"] and not any(b["left_padding"]) for b in recorded)
+
+    for i, ids in enumerate(padded + equal):
+        cold = generate(model, processor, ids, vault(tmp_path / f"empty-{i}"))
+        warm = generate(model, processor, ids, vault(shared))
+        assert warm.cached == (0 if i < len(padded) else len(ids) - 1)
+        assert_bitwise(cold, warm, f"prompt {i}")
+    assert all(b["rows"] == 1 for b in _recorded_batches(shared) if b not in recorded)
+
+
+class _Plugin:
+    def __init__(self, patch):
+        self.patch = patch
+
+    @hookimpl
+    def glm53_patches(self):
+        return [self.patch]
+
+
+def test_a_numerics_changing_patch_is_part_of_the_key(loaded, vault, tmp_path, monkeypatch):
+    changing = Patch(name="vault_test_changing", summary="declares changed numerics", targets={},
+                     numerics="changing")
+    monkeypatch.setattr(registry, "_extra_plugins", [*registry._extra_plugins, _Plugin(changing)])
+    monkeypatch.setattr(registry, "_plugins", None)
+    model, processor = loaded["fp32"]
+    ids, shared = token_ids(20, 40), tmp_path / "vault"
+    assert generate(model, processor, ids, vault(shared)).cached == 0
+    written = len(list(shared.rglob("exact_*.safetensors")))
+
+    registry.apply([changing.name], strict=True)
+    try:
+        assert generate(model, processor, ids, vault(shared)).cached == 0  # written without it: not reused
+        assert generate(model, processor, ids, vault(shared)).cached == len(ids) - 1  # its own entry
+    finally:
+        registry.revert([changing.name])
+    assert generate(model, processor, ids, vault(shared)).cached == len(ids) - 1
+    assert len(list(shared.rglob("exact_*.safetensors"))) == 2 * written  # one set per key
+
+
+def test_weights_fingerprint_follows_content_not_path(tiny_q4_dir, tmp_path):
+    PATCH.stats.reset()
+    copy = shutil.copytree(tiny_q4_dir, tmp_path / "copy")
+    original, _ = keying.weights_fingerprint(tiny_q4_dir, PATCH.stats)
+    copied, first = keying.weights_fingerprint(copy, PATCH.stats)
+    _, second = keying.weights_fingerprint(copy, PATCH.stats)
+    assert copied == original
+    assert first["hashed_files"] == first["files"] >= 2 and second["hashed_files"] == 0  # remembered
+
+    weights = copy / "model.safetensors"
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # same path, size and mtime
+    changed, third = keying.weights_fingerprint(copy, PATCH.stats)
+    assert changed != original and third["hashed_files"] == 1
+
+
+def test_nothing_is_unpickled(loaded, vault, tmp_path, monkeypatch):
+    model, processor = loaded["fp32"]
+    ids, shared = token_ids(30, 40), tmp_path / "vault"
+    cold = generate(model, processor, ids, vault(shared))
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("unpickling")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    warm = generate(model, processor, ids, vault(shared))
+    assert warm.cached == len(ids) - 1
+    assert_bitwise(cold, warm, "restored without pickle")
+
+
+def test_disk_budget_evicts_the_least_recently_used_entries(loaded, vault, tmp_path):
+    from mlx_vlm.apc import _read_safetensors_metadata
+
+    model, processor = loaded["fp32"]
+    prompts = [token_ids(40 + i, 24) for i in range(4)]  # one entry each, all the same size
+    shared = tmp_path / "vault"
+    generate(model, processor, prompts[0], vault(shared))
+    size = next(shared.rglob("exact_*.safetensors")).stat().st_size
+    budget = {"disk_max_gb": 3.5 * size / (1 << 30)}  # APC_DISK_MAX_GB: room for three entries
+    for ids in prompts[1:3]:
+        assert generate(model, processor, ids, vault(shared, **budget)).cached == 0
+    assert generate(model, processor, prompts[0], vault(shared, **budget)).cached == len(prompts[0]) - 1
+    generate(model, processor, prompts[3], vault(shared, **budget))  # a fourth entry: over budget
+
+    files = list(shared.rglob("exact_*.safetensors"))
+    assert sum(p.stat().st_size for p in files) <= 3.5 * size
+    kept = {_read_safetensors_metadata(p)["token_ids"] for p in files}
+    # prompts[1] was the least recently used: written before prompts[2], and prompts[0] was read since.
+    assert kept == {",".join(map(str, prompts[i][:-1])) for i in (0, 2, 3)}
+
+
+def test_other_models_get_stock_keys(vault):
+    from mlx_vlm import apc
+
+    class Other:
+        def apc_key_dependencies(self):
+            return ["some-revision"]
+
+    patched = apc.semantic_extra_hash(model=Other(), image_hash=7)
+    registry.revert([NAME])
+    try:
+        assert apc.semantic_extra_hash(model=Other(), image_hash=7) == patched
+    finally:
+        registry.apply([NAME], strict=True)
