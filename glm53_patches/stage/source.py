@@ -11,6 +11,9 @@ A patch folder's ``upstream.py`` (pure data) says what the pull request is:
 ``REPLACE``      optional {top-level name: upstream source}: a definition or
                  assignment that must read differently upstream (e.g. a
                  setting read from GLM53_* variables; keep these rare).
+``TEXT``         optional {plugin text: upstream text}: replaced inside string
+                 literals only (docstrings included), e.g. a kernel name or a
+                 sentence that names the plugin. Each must occur somewhere.
 ``SWITCH``       ``MLX_VLM_...`` variable, or None when upstream runs it always.
                  The first module gets ``ENABLED``, read once at import.
 ``HOOKS``        [{file, function, import, code}]: ``code`` goes first in the
@@ -32,7 +35,10 @@ A plugin module becomes an upstream module by these rules only:
 3. Counters: every statement ``<dropped name>.<method>(...)``, at any depth
    (``stats.hit()``, ``stats.fallback(reason)``), is dropped. A block left
    empty is an error: the plugin code must not need its counters to work.
-4. ``PLUGIN_ONLY`` and ``REPLACE`` as above; then ``ENABLED`` after the imports.
+4. ``PLUGIN_ONLY`` and ``REPLACE`` as above (``TEXT`` first of all).
+5. An import that the drops above left unused goes too (``functools`` used
+   only by a plugin-only wrapper), and the relative imports close up into one
+   block; then ``ENABLED`` after the imports.
 
 Everything else is kept byte for byte, comments included. The result must
 parse, use no dropped name and never mention glm53.
@@ -74,6 +80,7 @@ class Description:
     fast_path: Optional[str]
     pr_sections: Tuple
     data: object = field(repr=False, default=None)
+    text: Dict[str, str] = field(default_factory=dict)  # TEXT: substitutions inside string literals
 
     @property
     def switch_module(self) -> Optional[str]:
@@ -90,6 +97,12 @@ def _module_name(path: str) -> str:
 
 def package_of(patch) -> str:
     """The package that defines ``patch`` (where its upstream.py lives)."""
+    # The module that holds it as PATCH (factories may be `lazy` stand-ins
+    # defined in glm53_patches.patch, so their __module__ says nothing).
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}  # no module __getattr__ runs
+        if namespace.get("PATCH") is patch:
+            return namespace.get("__package__") or name
     for factory in list(patch.targets.values()) + [patch.on_revert, patch.verify]:
         module = sys.modules.get(getattr(factory, "__module__", None) or "")
         if module is not None:
@@ -135,6 +148,7 @@ def describe(patch) -> Optional[Description]:
         fast_path=getattr(data, "FAST_PATH", None),
         pr_sections=tuple(getattr(data, "PR_SECTIONS", ())),
         data=data,
+        text=dict(getattr(data, "TEXT", {})),
     )
 
 
@@ -215,10 +229,63 @@ def _names_used(node) -> set:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
-def upstream_module(source: str, module: str, target_path: str, described: Description, switch: Optional[str]) -> str:
+def _in_strings(source: str, substitutions: Dict[str, str], used: set) -> str:
+    """``source`` with each {old: new} replaced inside its string literals only."""
+    if not substitutions:
+        return source
+    data = source.encode()
+    offsets = [0]
+    for line in source.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(line.encode()))
+    spans, inside_fstrings = [], set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.JoinedStr):  # its parts carry the f-string's position
+            inside_fstrings.update(id(n) for n in ast.walk(node) if n is not node)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in inside_fstrings:
+            spans.append((offsets[node.lineno - 1] + node.col_offset, offsets[node.end_lineno - 1] + node.end_col_offset))
+    out, last = [], 0
+    for start, end in sorted(spans):
+        segment = data[start:end].decode()
+        for old, new in substitutions.items():
+            if old in segment:
+                used.add(old)
+                segment = segment.replace(old, new)
+        out += [data[last:start], segment.encode()]
+        last = end
+    return b"".join(out + [data[last:]]).decode()
+
+
+def _tidy_imports(text: str, used_before: set) -> str:
+    """Without the top-level imports whose names the plugin used and the upstream
+    text no longer does; relative imports (once plugin and mlx_vlm groups) in one block."""
+    tree = ast.parse(text)
+    used = _names_used(tree)
+    lines = text.splitlines(keepends=True)
+    edits = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound = {(a.asname or a.name).split(".")[0] for a in node.names}
+            if not bound & used and bound & used_before:
+                edits.append((*_span(node), []))
+    kept = [n for n in _leading_imports(tree) if not any(e[0] == _span(n)[0] for e in edits)]
+    for before, after in zip(kept, kept[1:]):
+        relative_pair = all(isinstance(n, ast.ImportFrom) and n.level for n in (before, after))
+        if relative_pair and not "".join(lines[before.end_lineno:after.lineno - 1]).strip():
+            edits.append((before.end_lineno, after.lineno - 1, []))
+    lines = _tidy_blank_lines(_apply_edits(lines, edits))
+    # One blank line at most among the leading imports (a dropped group leaves two).
+    imports = _leading_imports(ast.parse("".join(lines)))
+    start, end = (imports[0].lineno - 2, imports[-1].end_lineno) if imports else (0, 0)
+    return "".join(l for i, l in enumerate(lines) if not start <= i < end or l.strip() or lines[i - 1].strip())
+
+
+def upstream_module(source: str, module: str, target_path: str, described: Description, switch: Optional[str],
+                    used_text: Optional[set] = None) -> str:
     """The upstream text of plugin module ``module`` (see the module docstring)."""
     target = _module_name(target_path)
     mapped = {m: _module_name(p) for m, p in described.modules.items()}
+    used_before = _names_used(ast.parse(source))
+    source = _in_strings(source, described.text, set() if used_text is None else used_text)
     lines = source.splitlines(keepends=True)
     tree = ast.parse(source)
     edits, dropped = [], set()
@@ -299,7 +366,7 @@ def upstream_module(source: str, module: str, target_path: str, described: Descr
                 edits.append((start, end, []))
 
     out = _apply_edits(lines, edits)
-    text = "".join(_tidy_blank_lines(out))
+    text = _tidy_imports("".join(_tidy_blank_lines(out)), used_before)
     if switch:
         text = _add_switch(text, switch)
     _check_clean(text, dropped | set(described.plugin_only), where)
@@ -433,12 +500,15 @@ def _module_source(module: str) -> str:
 def stage_source(described: Description, tree: Path) -> Staged:
     """Generate the staged files of one patch for the upstream tree ``tree``."""
     tree = Path(tree)
-    new_files = {}
+    new_files, used_text = {}, set()
     for index, (module, path) in enumerate(described.modules.items()):
         if (tree / path).exists():
             raise StageError(f"{described.name}: {path} already exists in {tree}")
         switch = described.switch if index == 0 else None
-        new_files[path] = upstream_module(_module_source(module), module, path, described, switch)
+        new_files[path] = upstream_module(_module_source(module), module, path, described, switch, used_text)
+    unused = sorted(set(described.text) - used_text)
+    if unused:
+        raise StageError(f"{described.name}: TEXT entries found in no string literal: {unused}")
     for source, path in described.tests.items():
         if (tree / path).exists():
             raise StageError(f"{described.name}: {path} already exists in {tree}")

@@ -99,6 +99,22 @@ def _top_level_names(tree):
     return names
 
 
+class _InStrings(ast.NodeTransformer):
+    """Applies upstream.py's TEXT substitutions to string constants (outside f-strings)."""
+
+    def __init__(self, substitutions):
+        self.substitutions = substitutions
+
+    def visit_JoinedStr(self, node):
+        return node
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, str):
+            for old, new in self.substitutions.items():
+                node.value = node.value.replace(old, new)
+        return node
+
+
 class _DropCallsOn(ast.NodeTransformer):
     """Removes statements `name.method(...)` for the given names."""
 
@@ -110,6 +126,12 @@ class _DropCallsOn(ast.NodeTransformer):
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in self.names:
             return None
         return node
+
+
+def _bound_name(imported):
+    """The name an (absolute module, name, alias) import binds."""
+    base, name, alias = imported
+    return alias or (name or base).split(".")[0]
 
 
 def _imports(tree, module):
@@ -129,16 +151,20 @@ def _imports(tree, module):
 def test_upstream_module_is_the_plugin_module(name, releases):
     """Same statements, in the same order, as the plugin module, except: plugin
     wiring (names that do not exist upstream, and calls on them), the declared
-    plugin-only definitions, and the switch."""
+    plugin-only definitions and rewrites, TEXT in string literals, imports left
+    unused, and the switch."""
     patch, described = DESCRIBED[name]
     staged = source.stage_source(described, releases[PINS[0]])
+    defined = set()  # top-level names of all the plugin modules
     for module, path in described.modules.items():
-        plugin_tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        plugin_tree = _InStrings(described.text).visit(ast.parse(Path(importlib.util.find_spec(module).origin).read_text()))
         upstream_tree = ast.parse(staged.new_files[path])
         upstream_module = path[:-3].replace("/", ".")
+        defined |= _top_level_names(plugin_tree)
         gone = _top_level_names(plugin_tree) - _top_level_names(upstream_tree)
-        assert gone >= set(described.plugin_only)
-        replaced = set(described.replace)  # declared upstream rewrites: compared by name only
+        assert gone >= set(described.plugin_only) & _top_level_names(plugin_tree)
+        # declared upstream rewrites: compared by name only
+        replaced = set(described.replace) & _top_level_names(plugin_tree)
         kept = [
             ast.dump(_DropCallsOn(gone).visit(node))
             for node in plugin_tree.body
@@ -162,13 +188,21 @@ def test_upstream_module_is_the_plugin_module(name, releases):
                 base, imported = new_names[f"{base}.{imported}"].rpartition(".")[::2]
             plugin_imports.add((new_names.get(base, base), imported, alias))
         plugin_imports = {i for i in plugin_imports if not i[0].startswith("glm53_patches")}
+        # An import the plugin used and upstream no longer does (left by the drops) goes.
+        plugin_used, upstream_used = ({n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+                                      for t in (plugin_tree, upstream_tree))
+        plugin_imports = {i for i in plugin_imports
+                          if _bound_name(i) in upstream_used or _bound_name(i) not in plugin_used}
         upstream_imports = _imports(upstream_tree, upstream_module)
         assert upstream_imports - {("os", None, None)} == plugin_imports
-        if described.switch:
+        enabled = [n for n in upstream_tree.body if _top_level_names(ast.Module([n], [])) == {"ENABLED"}]
+        if described.switch and module == next(iter(described.modules)):  # the switch module
             assert ("os", None, None) in upstream_imports
-            enabled = [n for n in upstream_tree.body if _top_level_names(ast.Module([n], [])) == {"ENABLED"}]
             assert len(enabled) == 1 and described.switch in ast.unparse(enabled[0])
+        else:
+            assert not enabled
         assert "glm53" not in staged.new_files[path].lower()
+    assert set(described.plugin_only) | set(described.replace) <= defined
 
 
 @pytest.mark.parametrize("pin", PINS)
@@ -269,6 +303,61 @@ def test_rules_on_a_synthetic_module():
 def test_rules_refuse(edit, message):
     with pytest.raises(source.StageError, match=message):
         probe_upstream(PROBE.replace(*edit))
+
+
+KERNEL_PROBE = '''"""Kernel for glm53_patches.patches.probe."""
+
+import functools
+import logging
+
+from mlx_vlm.models.cache import ArraysCache
+
+from glm53_patches.kernels import helper as kernel_helper
+
+log = logging.getLogger("glm53_patches")
+NAME = "glm53_probe_kernel"
+
+
+def run(x):
+    # not a string: glm53_probe_kernel stays in this comment
+    return kernel_helper.launch(NAME, f"{x} never replaced", ArraysCache)
+
+
+def make_call(original):
+    return functools.wraps(original)(run)
+'''
+
+
+def test_text_in_strings_unused_imports_and_one_relative_block():
+    """TEXT changes string literals only (a comment naming the plugin is still refused)."""
+    used = set()
+    description = probe_description(text={"glm53_probe_kernel": "probe_kernel", "glm53_patches.patches.": "",
+                                          "never replaced": "replaced"},
+                                    plugin_only=("make_call", "log"), replace={})
+    text = source.upstream_module(KERNEL_PROBE.replace("    # not a string: glm53_probe_kernel stays in this comment\n", ""),
+                                  "glm53_patches.patches.probe.step", "mlx_vlm/models/glm5_next/probe.py",
+                                  description, None, used)
+    assert used == {"glm53_probe_kernel", "glm53_patches.patches."}
+    assert text.splitlines()[:6] == ['"""Kernel for probe."""', "", "from ..cache import ArraysCache",
+                                     "from . import probe_kernel as kernel_helper", "", 'NAME = "probe_kernel"']
+    assert 'f"{x} never replaced"' in text  # f-strings are left alone
+    assert "import functools" not in text and "import logging" not in text  # used only by dropped names
+    with pytest.raises(source.StageError, match="mentions glm53"):
+        source.upstream_module(KERNEL_PROBE, "glm53_patches.patches.probe.step", "mlx_vlm/models/glm5_next/probe.py",
+                               description, None)
+
+
+def test_stage_source_refuses_text_found_nowhere(releases):
+    _, described = DESCRIBED["hc_decode"]
+    broken = source.Description(**{**vars(described), "text": {**described.text, "no such text": "x"}})
+    with pytest.raises(source.StageError, match="no such text"):
+        source.stage_source(broken, releases[PINS[0]])
+
+
+def test_package_of_lazy_factories():
+    """Factories declared with `lazy` live in glm53_patches.patch; the package is the one holding PATCH."""
+    for name, (patch, described) in DESCRIBED.items():
+        assert source.package_of(patch) == f"glm53_patches.patches.{name}" == described.package
 
 
 HOOKED = '''import mlx.core as mx

@@ -1,29 +1,31 @@
-"""hc_decode's replacement for ``DecoderLayer.__call__`` at single-token decode.
+"""A glm5_next decoder layer at single-token decode, hyper-connections fused.
 
-Stock runs each decoder layer as ``attn_hc.apply_branch(x, input_layernorm,
-self_attn, ...)`` then ``ffn_hc.apply_branch(x, post_attention_layernorm,
-mlp)``. At ``L == 1`` each ``apply_branch`` builds, op by op, the
-hyper-connection collapse (``HyperConnection.__call__``), the branch's input
-norm, the branch, and the expand (``hc_expand``). Here the same upstream code
-runs inside ``mx.compile``d pure functions, so one graph is built once per
-shape and replayed:
+``decode_step(layer, x, mask, cache, prev_topk_indices)`` returns what
+``DecoderLayer.__call__`` returns for ``L == 1``, or None, having touched
+nothing, where the stock code must run. Stock runs each decoder layer as
+``attn_hc.apply_branch(x, input_layernorm, self_attn, ...)`` then
+``ffn_hc.apply_branch(x, post_attention_layernorm, mlp)``. At ``L == 1`` each
+``apply_branch`` builds, op by op, the hyper-connection collapse
+(``HyperConnection.__call__``), the branch's input norm, the branch, and the
+expand (``hc_expand``). Here the same code runs inside ``mx.compile``d pure
+functions, so one graph is built once per shape and replayed:
 
     collapse(x)                     -> input_layernorm(collapsed), post, comb
     branch                          (self_attn: whatever is installed there,
-                                     so compiled_kda_decode still engages)
+                                     so a patched mixer still engages)
     expand + collapse(x)            -> x, post_attention_layernorm(collapsed),
                                        post, comb
     mlp
-    hc_expand                       (upstream's compiled _hc_expand_op)
+    hc_expand                       (the stock compiled _hc_expand_op)
 
-The functions *call* upstream's ``HyperConnection.__call__``/``_mix``,
+The functions *call* mlx-vlm's own ``HyperConnection.__call__``/``_mix``,
 ``hc_expand`` and the norm modules on parameter-free copies bound to traced
-parameters (weights are inputs, never captured), so the arithmetic is
-upstream's by construction; ``mx.compile`` only fuses neighbouring
-elementwise ops, which on the CPU changes no rounding (see PATCH.md). On a GPU
-backend where ``glm53-patches verify`` passed (or when forced), the Sinkhorn
-collapse inside ``collapse`` is the one-launch kernel of
-``glm53_patches.kernels.hc_sinkhorn`` instead of upstream's ~80 launches.
+parameters (weights are inputs, never captured), so the arithmetic is the
+stock code's by construction; ``mx.compile`` only fuses neighbouring
+elementwise ops, which on the CPU changes no rounding. On a GPU backend where
+the kernel is enabled (``kernel_wanted``), the Sinkhorn collapse inside
+``collapse`` is the one-launch kernel of ``hc_sinkhorn`` instead of the stock
+path's ~80 launches.
 """
 
 import contextlib
@@ -40,18 +42,19 @@ from glm53_patches.kernels import hc_sinkhorn
 
 from . import PATCH
 
-log = logging.getLogger("glm53_patches")
 stats = PATCH.stats
 
 # Static signature -> mx.compile'd function (mx.compile keeps one trace per
 # input shapes and dtypes inside each entry).
 _COMPILED = {}
-# Backend -> whether the kernel runs there (GLM53_HC_DECODE_KERNEL + verify records).
+# Backend -> whether the kernel runs there (``kernel_setting``, asked once).
 _KERNEL_DECISION = {}
-_FORCED = [None]  # set by `forcing_kernel` (verify, device checks)
+_FORCED = [None]  # set by `forcing_kernel` (tests, device checks)
 _SCALARS = (bool, int, float, str, type(None))
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
+# The plugin's own wiring: its setting knob and the wrapper it installs.
+log = logging.getLogger("glm53_patches")
 WRAPPER_MARK = "_glm53_hc_decode"  # set on the replacement __call__
 KERNEL_KNOB = "GLM53_HC_DECODE_KERNEL"
 _KNOB_VALUES = {"auto": None, "1": True, "on": True, "true": True, "force": True, "0": False, "off": False, "false": False}
@@ -64,6 +67,17 @@ def _parse_kernel(value):
     return _KNOB_VALUES[lowered]
 
 
+def kernel_setting(backend):
+    """GLM53_HC_DECODE_KERNEL: auto (default: where `verify` passed on this backend), 1 or 0."""
+    setting, error = config.knob("hc_decode", "kernel", _parse_kernel, None)
+    if error:
+        log.error(f"hc_decode: {error}; the kernel stays off")
+        return False
+    if setting is None:
+        setting = verify_records.passed(PATCH.name, backend)
+    return bool(setting)
+
+
 def kernel_wanted(backend):
     """Does the one-launch kernel run on `backend` ('cuda', 'metal'; else never)?"""
     if backend not in ("cuda", "metal"):
@@ -72,13 +86,7 @@ def kernel_wanted(backend):
         return _FORCED[0]
     decision = _KERNEL_DECISION.get(backend)
     if decision is None:
-        setting, error = config.knob("hc_decode", "kernel", _parse_kernel, None)
-        if error:
-            log.error(f"hc_decode: {error}; the kernel stays off")
-            setting = False
-        if setting is None:
-            setting = verify_records.passed(PATCH.name, backend)
-        decision = _KERNEL_DECISION[backend] = bool(setting)
+        decision = _KERNEL_DECISION[backend] = bool(kernel_setting(backend))
     return decision
 
 
@@ -117,8 +125,8 @@ def _leaf_signature(module):
     return (type(module), tuple(sorted(module.keys())), scalars)
 
 
-def _upstream():
-    """Upstream callables the traces bake in: a replaced one means a fresh trace."""
+def _traced_callables():
+    """mlx-vlm callables the traces bake in: a replaced one means a fresh trace."""
     cls = _hc.HyperConnection
     return (
         cls.__call__,
@@ -136,7 +144,7 @@ def _upstream():
 
 
 def _stock_collapse(hc, x):
-    """Upstream's own ``HyperConnection.__call__`` (``_hc_ops`` or, on Metal, ``_hc_kernel``)."""
+    """The stock ``HyperConnection.__call__`` (``_hc_ops`` or, on Metal, ``_hc_kernel``)."""
     return hc(x)
 
 
@@ -156,8 +164,7 @@ def _build(role, hc, norm, use_kernel):
     collapse = _kernel_collapse if use_kernel else _stock_collapse
 
     def collapse_normed(x, hc_params, norm_params):
-        # Runs only while mx.compile traces: counts traces, not calls.
-        stats.hit("trace")
+        stats.hit("trace")  # runs only while mx.compile traces: counts traces, not calls
         collapsed, post, comb = collapse(_bind(hc_skeleton, hc_params), x)
         return _bind(norm_skeleton, norm_params)(collapsed), post, comb
 
@@ -174,7 +181,7 @@ def _build(role, hc, norm, use_kernel):
 
 
 def _compiled(role, hc, norm, use_kernel):
-    key = (role, use_kernel, str(mx.default_device()), _leaf_signature(hc), _leaf_signature(norm), _upstream())
+    key = (role, use_kernel, str(mx.default_device()), _leaf_signature(hc), _leaf_signature(norm), _traced_callables())
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = _build(role, hc, norm, use_kernel)
@@ -182,7 +189,7 @@ def _compiled(role, hc, norm, use_kernel):
 
 
 def _use_kernel(hc, x):
-    """Kernel for this hyper-connection? Counts a fallback when it cannot cover a call."""
+    """Kernel for this hyper-connection? False (the compiled path runs) where it cannot cover the call."""
     backend = hc_sinkhorn.gpu_backend()
     if not kernel_wanted(backend):
         return False
@@ -210,42 +217,55 @@ def _why_not(layer, x):
     return None
 
 
+def decode_step(layer, x, mask=None, cache=None, prev_topk_indices=None):
+    """``layer(x, mask, cache, prev_topk_indices)`` for one decode token, fused.
+
+    Returns None, having touched nothing, where the stock code must run.
+    """
+    reason = _why_not(layer, x)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
+    attn_hc, ffn_hc = layer.attn_hc, layer.ffn_hc
+
+    kernel = _use_kernel(attn_hc, x)
+    collapse = _compiled("collapse", attn_hc, layer.input_layernorm, kernel)
+    h, post, comb = collapse(x, dict(attn_hc), dict(layer.input_layernorm))
+    stats.hit("kernel" if kernel else "compiled")
+    if layer.is_linear:
+        out = layer.self_attn(h, mask, cache)
+        topk = prev_topk_indices
+    else:
+        out, topk = layer.self_attn(h, mask, cache, prev_topk_indices)
+
+    kernel = _use_kernel(ffn_hc, x)
+    expand_collapse = _compiled("expand_collapse", ffn_hc, layer.post_attention_layernorm, kernel)
+    x, h, post, comb = expand_collapse(
+        out, x, post, comb, dict(ffn_hc), dict(layer.post_attention_layernorm)
+    )
+    stats.hit("kernel" if kernel else "compiled")
+    out = layer.mlp(h)
+    stats.hit("layer")
+    return _hc.hc_expand(out, x, post, comb, use_kernel=True), topk
+
+
 def make_call(original):
     """The replacement for ``DecoderLayer.__call__``."""
 
     @functools.wraps(original)
     def __call__(self, x, mask=None, cache=None, prev_topk_indices=None):
-        reason = _why_not(self, x)
-        if reason is not None:
-            stats.fallback(reason)
-            return original(self, x, mask, cache, prev_topk_indices)
-        attn_hc, ffn_hc = self.attn_hc, self.ffn_hc
-
-        kernel = _use_kernel(attn_hc, x)
-        collapse = _compiled("collapse", attn_hc, self.input_layernorm, kernel)
-        h, post, comb = collapse(x, dict(attn_hc), dict(self.input_layernorm))
-        stats.hit("kernel" if kernel else "compiled")
-        if self.is_linear:
-            out = self.self_attn(h, mask, cache)
-            topk = prev_topk_indices
-        else:
-            out, topk = self.self_attn(h, mask, cache, prev_topk_indices)
-
-        kernel = _use_kernel(ffn_hc, x)
-        expand_collapse = _compiled("expand_collapse", ffn_hc, self.post_attention_layernorm, kernel)
-        x, h, post, comb = expand_collapse(
-            out, x, post, comb, dict(ffn_hc), dict(self.post_attention_layernorm)
-        )
-        stats.hit("kernel" if kernel else "compiled")
-        out = self.mlp(h)
-        stats.hit("layer")
-        return _hc.hc_expand(out, x, post, comb, use_kernel=True), topk
+        output = decode_step(self, x, mask, cache, prev_topk_indices)
+        return original(self, x, mask, cache, prev_topk_indices) if output is None else output
 
     setattr(__call__, WRAPPER_MARK, True)
     return __call__
 
 
+def compiled_count():
+    return len(_COMPILED)
+
+
 def clear():
-    """Drop compiled functions and kernel decisions (on revert)."""
+    """Drop compiled functions and kernel decisions."""
     _COMPILED.clear()
     _KERNEL_DECISION.clear()
