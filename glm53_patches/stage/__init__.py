@@ -229,10 +229,22 @@ def _stage_into(result, patch, described: Description, tree, out, work, models, 
     result.tests = _summary(tests, ("exit_code", "seconds", "counts", "passed", "failed", "enabled_at_import",
                                     "isolation", "blocked_imports", "mlx_vlm_file"))
     if described.fast_path:
-        plugin = checks.plugin_logits(tree, models, patch.name, described.package, work / "plugin")
+        plugin = checks.plugin_logits(tree, models, patch.name, described.package, work / "plugin",
+                                      described.equivalence, plugin_fast_path(described))
         staged_run = checks.staged_logits(repo, models, described.switch, described.switch_module,
-                                          described.fast_path, work / "staged")
+                                          described.fast_path, work / "staged", described.equivalence)
         result.equivalence = _equivalence(patch, plugin, staged_run, work)
+
+
+def plugin_fast_path(described: Description) -> Optional[str]:
+    """The plugin module that FAST_PATH's upstream module is generated from (warm-cold runs call it)."""
+    if described.equivalence != "warm-cold":
+        return None
+    upstream = described.fast_path.partition(":")[0]
+    for module, path in described.modules.items():
+        if path[:-3].replace("/", ".") == upstream:
+            return module
+    raise StageError(f"{described.name}: FAST_PATH {described.fast_path} is not in a module of MODULES")
 
 
 def _summary(report: Dict, keys) -> Dict:
@@ -258,6 +270,7 @@ def _equivalence(patch, plugin: Dict, staged: Dict, work: Path) -> Dict:
     summary["served"] = staged.get("fast_path", {}).get("served", 0)
     summary["served_when_off"] = staged.get("fast_path_off", {}).get("served", 0)
     summary["enabled_at_import"] = staged.get("enabled_at_import")
+    summary["kind"] = staged.get("equivalence", "logits")
     summary["isolation"] = staged.get("isolation")
     summary["blocked_imports"] = staged.get("blocked_imports")
     summary["ok"] = (

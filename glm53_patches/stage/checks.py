@@ -90,20 +90,26 @@ def staged_tests(repo: Path, tests: List[str], switch_module: Optional[str], wor
 
 
 def staged_logits(repo: Path, models: Dict[str, str], switch: Optional[str], switch_module: Optional[str],
-                  fast_path: str, work: Path) -> Dict:
+                  fast_path: str, work: Path, equivalence: str = "logits") -> Dict:
     """Greedy logits of the tiny checkpoints in the applied tree, switch on (then off)."""
     job = {
-        "task": "logits", "isolated": True, "tree": str(repo),
+        "task": "logits", "isolated": True, "tree": str(repo), "equivalence": equivalence,
         "path": [str(repo)] + site_packages(), "models": models,
         "switch_module": switch_module, "fast_path": fast_path, "arrays": str(work / "staged.safetensors"),
     }
     return run_isolated(job, work, env=clean_environment({switch: "1"} if switch else {}))
 
 
-def plugin_logits(tree: Path, models: Dict[str, str], name: str, package: str, work: Path) -> Dict:
-    """The same logits from the stock tree with the plugin's patch applied (and without)."""
+def plugin_logits(tree: Path, models: Dict[str, str], name: str, package: str, work: Path,
+                  equivalence: str = "logits", fast_path: Optional[str] = None) -> Dict:
+    """The same logits from the stock tree with the plugin's patch applied (and without).
+
+    ``warm-cold``: ``fast_path`` names the plugin module whose
+    ``write_exact_cache_snapshot``/``load_exact_cache_file`` make the warm runs.
+    """
     job = {
-        "task": "logits", "isolated": False, "tree": str(tree),
+        "task": "logits", "isolated": False, "tree": str(tree), "equivalence": equivalence,
+        "plugin_module": fast_path,
         "path": [str(tree), str(REPO_ROOT)] + site_packages(), "models": models,
         "plugin": {"name": name, "package": package}, "arrays": str(work / "plugin.safetensors"),
     }

@@ -139,12 +139,21 @@ def render(described, patch, result: Dict) -> str:
         on = "bit-identical to" if all(equivalence["staged_equals_stock"].values()) else "DIFFERENT from"
         off = "bit-identical to" if all(equivalence["off_equals_stock"].values()) else "DIFFERENT from"
         plugin = "the same, bit for bit, as" if all(equivalence["staged_equals_plugin"].values()) else "DIFFERENT from"
-        out.append(
-            f"- Greedy decoding of a small random-weight glm5_next checkpoint ({tokens}), in the patched tree: "
-            f"with the switch on the logits are {on} today's code ({equivalence['served']} calls took the new "
-            f"path), with it off {off} today's code, and {plugin} the glm53-patches plugin running this code "
-            f"on the released mlx-vlm {result['pin']}."
-        )
+        if described.equivalence == "warm-cold":
+            out.append(
+                f"- Greedy decoding of a small random-weight glm5_next checkpoint ({tokens}) from a prompt cache "
+                f"written to and read back from a `DiskBlockStore` entry, in the patched tree: with the switch on "
+                f"the logits are {on} the cold run that never left memory ({equivalence['served']} entries "
+                f"took the new path), with it off (stock APC) {off} it, and {plugin} the glm53-patches plugin's "
+                f"copy of this code on the released mlx-vlm {result['pin']}."
+            )
+        else:
+            out.append(
+                f"- Greedy decoding of a small random-weight glm5_next checkpoint ({tokens}), in the patched tree: "
+                f"with the switch on the logits are {on} today's code ({equivalence['served']} calls took the new "
+                f"path), with it off {off} today's code, and {plugin} the glm53-patches plugin running this code "
+                f"on the released mlx-vlm {result['pin']}."
+            )
     records = verify_lines(described.name)
     out += records or [
         "- No `glm53-patches verify` record on this machine yet (GPU backends are verified on the user's "

@@ -13,6 +13,14 @@ Jobs (``task``):
             ``plugin`` mode (stock tree + glm53_patches) saves ``stock/*`` and
             ``plugin/*``; staged mode saves ``staged/*`` (switch on, from the
             environment) and ``off/*`` (``ENABLED`` set False in process).
+            With ``equivalence`` ``warm-cold`` (a cache patch) the cases are
+            ``WARM_CASES``: ``stock/*`` is the cold run (prompt prefilled in two
+            chunks), the others are warm runs whose cache after the first chunk
+            was written to a ``DiskBlockStore`` and read back before the second:
+            ``plugin/*`` through the plugin module's
+            ``write_exact_cache_snapshot``/``load_exact_cache_file`` on the
+            stock tree, ``staged/*`` and ``off/*`` through the staged tree's
+            ``DiskBlockStore._write_exact_cache_snapshot``/``_load_exact_cache_file``.
 
 With ``isolated`` the script first proves that glm53_patches cannot be
 imported, then blocks it for the rest of the run and records any attempt.
@@ -36,6 +44,16 @@ CASES = {
     "fp32": ("fp32", [PROMPT], 24),
     "fp32-batch3": ("fp32", [PROMPT, [9, 8, 7], [44, 45, 46, 47, 48]], 12),
     "q4": ("q4", [PROMPT], 12),
+}
+
+
+# Warm-vs-cold cases: case -> (checkpoint, prompt, tokens before the restore, steps).
+# Both chunks of the 20-token prompt are longer than glm5_next's decode block.
+WARM_PROMPT = [5, 17, 33, 101, 7, 250, 3, 12, 90, 61, 77, 140, 8, 19, 220, 31, 64, 2, 99, 45]
+WARM_CASES = {
+    "fp32-warm": ("fp32", WARM_PROMPT, 11, 12),
+    "fp32-warm-short": ("fp32", PROMPT, 3, 12),
+    "q4-warm": ("q4", WARM_PROMPT, 11, 12),
 }
 
 
@@ -157,14 +175,97 @@ def _count_fast_path(job):
     module = importlib.import_module(module_name)
     original = getattr(module, function)
     counts = {"served": 0, "declined": 0}
+    stock = getattr(module, "STOCK", None)  # a result that hands the call back to the stock code
 
     def counted(*args, **kwargs):
         output = original(*args, **kwargs)
-        counts["served" if output is not None else "declined"] += 1
+        counts["served" if output is not None and output is not stock else "declined"] += 1
         return output
 
     setattr(module, function, counted)
     return counts
+
+
+def _greedy_split(language_model, prompt, split, steps, restore=None):
+    """Greedy decoding after a prefill in two chunks; ``restore`` may replace the cache between them."""
+    import mlx.core as mx
+
+    cache = language_model.make_cache()
+    mx.eval(language_model(mx.array([prompt[:split]]), cache=cache).logits)
+    if restore is not None:
+        cache = restore(prompt[:split], cache)
+    logits = language_model(mx.array([prompt[split:]]), cache=cache).logits[:, -1]
+    out = []
+    for _ in range(steps):
+        mx.eval(logits)
+        out.append(logits)
+        logits = language_model(mx.argmax(logits, axis=-1)[:, None], cache=cache).logits[:, -1]
+    return mx.stack(out)
+
+
+def _disk_round_trip(folder, write, load):
+    """``restore`` for _greedy_split: the cache written to a fresh DiskBlockStore entry and read back."""
+    from pathlib import Path
+
+    from mlx_vlm import apc
+
+    def restore(tokens, cache):
+        store = apc.DiskBlockStore(Path(folder), namespace=f"warm-{len(os.listdir(folder))}")
+        try:
+            cache_hash = 1000 + len(tokens)
+            path = store.dir / f"{store._exact_id_for(cache_hash)}{store.SUFFIX}"
+            snapshot = apc._DiskExactCacheSnapshot(cache_hash=cache_hash, token_ids=tuple(tokens), extra_hash=0,
+                                                   prompt_cache=cache)
+            if not write(store, path, snapshot):
+                raise RuntimeError("the entry was not written")
+            loaded = load(store, path)
+            if loaded is None or tuple(loaded[0]) != tuple(tokens):
+                raise RuntimeError(f"the entry written for {len(tokens)} tokens was not read back")
+            return list(loaded[2])
+        finally:
+            getattr(store, "close", lambda: None)()
+
+    return restore
+
+
+def _warm_all(models, prefix, arrays, restore=None):
+    for case, (checkpoint, prompt, split, steps) in WARM_CASES.items():
+        arrays[f"{prefix}/{case}"] = _greedy_split(models[checkpoint].language_model, prompt, split, steps, restore)
+
+
+def run_warm_cold(job, report, models, arrays):
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="warm-", dir=job["work"])
+    if job.get("plugin"):
+        module = importlib.import_module(job["plugin_module"])
+        loads = {"served": 0}
+
+        def load(store, path):
+            loaded = module.load_exact_cache_file(store, path, min_capacity_tokens=None)
+            loads["served"] += loaded is not None
+            return loaded
+
+        def write(store, path, snapshot):
+            return module.write_exact_cache_snapshot(store, path, snapshot)
+
+        _warm_all(models, "stock", arrays)
+        _warm_all(models, "plugin", arrays, _disk_round_trip(folder, write, load))
+        report["plugin_stats"] = {"hits": {"sealed_load": loads["served"]}}
+    else:
+        module = _switch_module(job)
+        report["enabled_at_import"] = None if module is None else bool(module.ENABLED)
+        counts = _count_fast_path(job)
+        restore = _disk_round_trip(folder, lambda store, path, snapshot: store._write_exact_cache_snapshot(path, snapshot),
+                                   lambda store, path: store._load_exact_cache_file(path, min_capacity_tokens=None))
+        _warm_all(models, "staged", arrays, restore)
+        report["fast_path"] = dict(counts)
+        if module is not None:
+            module.ENABLED = False
+            counts.update(served=0, declined=0)
+            _warm_all(models, "off", arrays, restore)
+            report["fast_path_off"] = dict(counts)
+    report["cases"] = {case: [len(spec[1]), spec[2], spec[3]] for case, spec in WARM_CASES.items()}
 
 
 def run_logits(job, report):
@@ -176,6 +277,11 @@ def run_logits(job, report):
 
     models = {name: load_model(Path(path)) for name, path in job["models"].items()}
     arrays = {}
+    report["equivalence"] = job.get("equivalence", "logits")
+    if report["equivalence"] == "warm-cold":
+        run_warm_cold(job, report, models, arrays)
+        mx.save_safetensors(job["arrays"], arrays)
+        return
     if job.get("plugin"):
         importlib.import_module(job["plugin"]["package"])
         from glm53_patches import registry

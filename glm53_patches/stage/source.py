@@ -23,6 +23,11 @@ A patch folder's ``upstream.py`` (pure data) says what the pull request is:
 ``TESTS``        {file in the patch folder: path under mlx_vlm/tests/}:
                  upstream-style tests, copied as they are.
 ``FAST_PATH``    ``"module:function"`` whose non-None results count as hits.
+``EQUIVALENCE``  optional: ``"logits"`` (the default: greedy decoding of the
+                 tiny checkpoints, staged vs plugin vs stock) or
+                 ``"warm-cold"`` (for a cache patch: each checkpoint decoded
+                 cold, and warm from an entry written and read back through
+                 ``DiskBlockStore``; see ``runner.py``).
 ``TITLE``, ``PR_SECTIONS``: the PR text (see ``pr.py``).
 
 A plugin module becomes an upstream module by these rules only:
@@ -81,6 +86,7 @@ class Description:
     pr_sections: Tuple
     data: object = field(repr=False, default=None)
     text: Dict[str, str] = field(default_factory=dict)  # TEXT: substitutions inside string literals
+    equivalence: str = "logits"  # EQUIVALENCE: which check the logits runs make
 
     @property
     def switch_module(self) -> Optional[str]:
@@ -149,7 +155,17 @@ def describe(patch) -> Optional[Description]:
         pr_sections=tuple(getattr(data, "PR_SECTIONS", ())),
         data=data,
         text=dict(getattr(data, "TEXT", {})),
+        equivalence=_equivalence_kind(patch.name, getattr(data, "EQUIVALENCE", "logits")),
     )
+
+
+EQUIVALENCES = ("logits", "warm-cold")
+
+
+def _equivalence_kind(name: str, kind: str) -> str:
+    if kind not in EQUIVALENCES:
+        raise StageError(f"{name}: EQUIVALENCE {kind!r} is not one of {', '.join(EQUIVALENCES)}")
+    return kind
 
 
 # -- imports -------------------------------------------------------------------------

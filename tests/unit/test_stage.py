@@ -194,7 +194,7 @@ def test_upstream_module_is_the_plugin_module(name, releases):
         plugin_imports = {i for i in plugin_imports
                           if _bound_name(i) in upstream_used or _bound_name(i) not in plugin_used}
         upstream_imports = _imports(upstream_tree, upstream_module)
-        assert upstream_imports - {("os", None, None)} == plugin_imports
+        assert upstream_imports - {("os", None, None)} == plugin_imports - {("os", None, None)}
         enabled = [n for n in upstream_tree.body if _top_level_names(ast.Module([n], [])) == {"ENABLED"}]
         if described.switch and module == next(iter(described.modules)):  # the switch module
             assert ("os", None, None) in upstream_imports
@@ -451,9 +451,14 @@ def test_stage_applies_passes_and_matches_the_plugin(name, pin, releases, models
     if described.switch:
         assert tests["enabled_at_import"] is False  # default off
 
-    plugin = checks.plugin_logits(tree, models, name, described.package, tmp_path / "plugin")
+    plugin = checks.plugin_logits(tree, models, name, described.package, tmp_path / "plugin",
+                                  described.equivalence, stage.plugin_fast_path(described))
     staged = checks.staged_logits(repo, models, described.switch, described.switch_module,
-                                  described.fast_path, tmp_path / "staged")
+                                  described.fast_path, tmp_path / "staged", described.equivalence)
+    # "logits": greedy decoding, plugin applied vs staged tree; "warm-cold" (a cache
+    # patch): decoding warm from an entry written and read back through DiskBlockStore,
+    # plugin module vs staged tree, both also compared with the cold run ("stock/").
+    assert plugin["equivalence"] == staged["equivalence"] == described.equivalence
     assert plugin["ok"], plugin.get("error")
     assert staged["ok"], staged.get("error")
     assert staged["isolation"]["glm53_patches_code"] == [] and staged["blocked_imports"] == []

@@ -508,21 +508,23 @@ def write_exact_cache_snapshot(original):
         _prepare(self)
         if not self._ensure_dir():
             raise OSError(f"APC disk cache directory unavailable: {self.dir}")
+
+        def report(event, path, size, refusal=None, removed=False):
+            stats.hit("write")
+            stats.add_bytes("written", size)
+            log.info(f"vault_cache: sealed {len(snapshot.token_ids)} tokens into {path.name} "
+                     f"({size / 1e3:.0f} kB, batch {json.dumps(shape, sort_keys=True)})")
+
         try:
-            size = sealed.write(self, Path(path), snapshot, fingerprint=fingerprint, harvest=shape)
+            written = sealed.write_exact_cache_snapshot(self, Path(path), snapshot, fingerprint=fingerprint,
+                                                        harvest=shape, report=report)
         except Exception:
             stats.fallback("error:write")
             raise
-        self._disk_bytes += size
-        with self._index_lock:
-            self._exact_index[int(snapshot.cache_hash)] = Path(path)
-        stats.hit("write")
-        stats.add_bytes("written", size)
-        log.info(f"vault_cache: sealed {len(snapshot.token_ids)} tokens into {Path(path).name} "
-                 f"({size / 1e3:.0f} kB, batch {json.dumps(shape, sort_keys=True)})")
-        self._maybe_evict()
+        if written is None:  # not a glm5_next cache after all
+            return original(self, path, snapshot)
         stats.set_bytes("on_disk", self._disk_bytes)
-        return [int(snapshot.cache_hash)]
+        return written
 
     return _write_exact_cache_snapshot
 
@@ -536,39 +538,26 @@ def load_exact_cache_file(original):
         from . import sealed
 
         _prepare(self)
-        path = Path(path)
-        try:
-            opened = sealed.read(self, path, fingerprint=scope.fingerprint, layout=scope.context.layout,
-                                 prefix_len=prefix_len, min_capacity_tokens=min_capacity_tokens)
-        except sealed.Gone:
-            self._drop_index_for_path(path)
-            return None
-        except sealed.Refused as refusal:
-            _refuse(self, path, refusal)
-            return None
-        if opened is None:
-            return None
-        try:
-            os.utime(path, None)  # APC's disk LRU clock
-        except OSError:
-            pass
-        scope.disk_bytes = opened.size
-        _stats().add_bytes("read", opened.size)
-        return opened.token_ids, opened.extra_hash, opened.prompt_cache
+
+        def report(event, path, size, refusal=None, removed=False):
+            if event == "read":
+                scope.disk_bytes = size
+                _stats().add_bytes("read", size)
+            elif event == "refused":
+                _refused(self, path, refusal, removed)
+
+        return sealed.load_exact_cache_file(self, Path(path), min_capacity_tokens=min_capacity_tokens,
+                                            prefix_len=prefix_len, fingerprint=scope.fingerprint,
+                                            layout=scope.context.layout, report=report)
 
     return _load_exact_cache_file
 
 
-def _refuse(store, path, refusal):
-    from . import sealed
-
+def _refused(store, path, refusal, removed):
     stats = _stats()
     stats.fallback(f"refused:{refusal.reason}")
     stats.add_bytes("refused", refusal.size)
-    removed = sealed.remove(path, refusal.identity)
-    store._drop_index_for_path(path)
     if removed:
-        store._disk_bytes = max(0, store._disk_bytes - refusal.size)
         stats.set_bytes("on_disk", store._disk_bytes)
     _once(("refused", str(path), refusal.reason, refusal.identity), logging.WARNING,
           f"vault_cache: refused {path.name} ({refusal.reason}); "

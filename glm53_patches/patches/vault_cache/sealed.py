@@ -1,12 +1,12 @@
-"""The on-disk form of a vault entry: APC's exact-cache safetensors file, sealed.
+"""The on-disk form of a sealed entry: APC's exact-cache safetensors file, sealed.
 
 An entry is the file APC itself writes (``exact_<id>.safetensors``, layout
 ``exact_cache_v1``: tensors plus string metadata) with these metadata fields
 added:
 
 ``vault_format``       ``glm53-vault-1``
-``vault_fingerprint``  the key fingerprint (``keying.py``) it was written under
-``vault_batch``        JSON: the batch shape the state was harvested in
+``vault_fingerprint``  optional: the key fingerprint it was written under
+``vault_batch``        optional, JSON: the batch shape the state was harvested in
 ``vault_digest_alg``   ``sha256``
 ``vault_digest``       SHA-256 of the whole file's bytes, taken while this
                        field held 64 ``0`` characters
@@ -20,11 +20,20 @@ Reading: one ``open``, the whole file read into one buffer, the digest
 checked, then every tensor decoded from that buffer. The path is never opened
 twice, so a concurrent ``os.replace`` by another process cannot mix two files.
 Nothing is unpickled: the header is JSON, tensors are raw bytes.
+
+``write_exact_cache_snapshot`` and ``load_exact_cache_file`` are what
+``DiskBlockStore`` does with an exact-cache entry, sealed. The reader decodes
+the cache kinds ``kv``, ``arrays``, ``pooling`` and ``cache_list``; a
+snapshot holding another kind is not sealed (``write_exact_cache_snapshot``
+returns None), and an unsealed entry of such a kind is left to the stock
+loader when no ``layout`` is required (``load_exact_cache_file`` returns
+``STOCK``). A refused entry is removed, if it is still the file that was read.
 """
 
 import hashlib
 import io
 import json
+import logging
 import os
 import secrets
 import threading
@@ -39,6 +48,10 @@ _DIGEST_KEY = "vault_digest"
 _PLACEHOLDER = "0" * 64
 TMP_DIR = ".vault-tmp"
 _MAX_HEADER = 64 << 20
+SEALABLE = ("kv", "arrays", "pooling", "cache_list")
+STOCK = object()  # load_exact_cache_file: not a sealed entry of a kind this reader decodes
+
+log = logging.getLogger(__name__)
 
 
 class Refused(Exception):
@@ -51,6 +64,10 @@ class Refused(Exception):
 
 class Gone(Exception):
     """The file vanished (evicted or replaced by another process): a plain miss."""
+
+
+class Unsealed(Exception):
+    """An unsealed entry holding a cache kind this reader does not decode."""
 
 
 @dataclass
@@ -88,8 +105,11 @@ def _marker(digest: str) -> bytes:
     return f'"{_DIGEST_KEY}":"{digest}"'.encode()
 
 
-def write(store, path: Path, snapshot, *, fingerprint: str, harvest: dict) -> int:
-    """Serialize `snapshot` like APC does, seal it, publish it atomically; return its size."""
+def write(store, path: Path, snapshot, *, fingerprint=None, harvest=None):
+    """Serialize `snapshot` like APC does, seal it, publish it atomically; return its size.
+
+    None, and nothing written, if the snapshot holds a cache kind the reader does not decode.
+    """
     from mlx_vlm import apc
 
     metadata = {
@@ -105,16 +125,17 @@ def write(store, path: Path, snapshot, *, fingerprint: str, harvest: dict) -> in
     for i, entry in enumerate(snapshot.prompt_cache):
         if not store._snapshot_exact_cache_entry(entry, f"c{i}", arrays, metadata):
             raise ValueError(f"unsupported exact-cache entry at index {i}")
+    if not all(_sealable(metadata_layout(metadata, f"c{i}")) for i in range(len(snapshot.prompt_cache))):
+        return None
     empty = apc._extract_empty_tensor_specs(arrays)
     if empty:
         metadata[apc._EMPTY_TENSORS_METADATA] = json.dumps(empty, separators=(",", ":"), sort_keys=True)
-    metadata.update({
-        "vault_format": FORMAT,
-        "vault_fingerprint": fingerprint,
-        "vault_batch": json.dumps(harvest, separators=(",", ":"), sort_keys=True),
-        "vault_digest_alg": DIGEST_ALG,
-        _DIGEST_KEY: _PLACEHOLDER,
-    })
+    metadata["vault_format"] = FORMAT
+    if fingerprint is not None:
+        metadata["vault_fingerprint"] = fingerprint
+    if harvest is not None:
+        metadata["vault_batch"] = json.dumps(harvest, separators=(",", ":"), sort_keys=True)
+    metadata.update({"vault_digest_alg": DIGEST_ALG, _DIGEST_KEY: _PLACEHOLDER})
     folder = private_dir(Path(store.dir) / TMP_DIR)
     temporary = folder / f"{path.stem}.{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}.safetensors"
     try:
@@ -181,8 +202,19 @@ def metadata_layout(metadata, prefix):
     return ("other", str(kind))
 
 
-def read(store, path: Path, *, fingerprint: str, layout: tuple, prefix_len=None, min_capacity_tokens=None):
-    """Open, verify and decode one entry; raise Refused or Gone; None if unusable here."""
+def _sealable(layout) -> bool:
+    if layout[0] == "cache_list":
+        return all(_sealable(child) for child in layout[1])
+    return layout[0] in SEALABLE
+
+
+def read(store, path: Path, *, fingerprint=None, layout=None, prefix_len=None, min_capacity_tokens=None):
+    """Open, verify and decode one entry; raise Refused or Gone; None if unusable here.
+
+    ``fingerprint`` and ``layout`` (of the model's caches), when given, must match
+    the entry's. Without a ``layout``, an unsealed entry of a kind this reader does
+    not decode raises Unsealed.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -225,6 +257,10 @@ def read(store, path: Path, *, fingerprint: str, layout: tuple, prefix_len=None,
     if base + data_end > size:
         raise refuse("truncated")
     digest = metadata.get(_DIGEST_KEY)
+    if layout is None and metadata.get("vault_format") is None and not all(
+        _sealable(metadata_layout(metadata, f"c{i}")) for i in range(_count(metadata))
+    ):
+        raise Unsealed()
     if (metadata.get("vault_format") != FORMAT or metadata.get("vault_digest_alg") != DIGEST_ALG
             or not isinstance(digest, str) or len(digest) != 64):
         raise refuse("unsigned")
@@ -244,11 +280,12 @@ def read(store, path: Path, *, fingerprint: str, layout: tuple, prefix_len=None,
         raise refuse("layout") from None
     if store._exact_id_for(cache_hash) != path.stem:
         raise refuse("misplaced")
-    if metadata.get("vault_fingerprint") != fingerprint:
+    if fingerprint is not None and metadata.get("vault_fingerprint") != fingerprint:
         raise refuse("fingerprint")
-    if metadata.get("layout") != "exact_cache_v1" or tuple(
-        metadata_layout(metadata, f"c{i}") for i in range(entries)
-    ) != tuple(layout):
+    found = tuple(metadata_layout(metadata, f"c{i}") for i in range(entries))
+    if metadata.get("layout") != "exact_cache_v1" or not all(map(_sealable, found)) or (
+        layout is not None and found != tuple(layout)
+    ):
         raise refuse("layout")
     if prefix_len is not None and prefix_len != len(token_ids):
         return None  # glm5_next's recurrent state cannot be cut back to a shorter prefix
@@ -257,6 +294,13 @@ def read(store, path: Path, *, fingerprint: str, layout: tuple, prefix_len=None,
     except _Bad:
         raise refuse("layout") from None
     return Opened(token_ids, extra_hash, prompt_cache, size)
+
+
+def _count(metadata) -> int:
+    try:
+        return int(metadata.get("num_entries", "0"))
+    except (TypeError, ValueError):
+        return 0
 
 
 class _Bad(Exception):
@@ -365,3 +409,60 @@ def remove(path: Path, identity) -> bool:
         return False
     except OSError:
         return False
+
+
+# -- DiskBlockStore ------------------------------------------------------------------
+
+
+def log_event(event, path: Path, size: int, refusal=None, removed=False):
+    """The default ``report``: a warning for each refused entry."""
+    if event == "refused":
+        log.warning(f"refused exact-cache entry {path.name} ({refusal.reason}); "
+                    + ("removed it" if removed else "could not remove it") + "; the request runs cold")
+
+
+def write_exact_cache_snapshot(store, path: Path, snapshot, *, fingerprint=None, harvest=None, report=log_event):
+    """``DiskBlockStore._write_exact_cache_snapshot``, sealed: [cache_hash], or None
+    (nothing written) for a snapshot this module does not seal."""
+    if not store._ensure_dir():
+        raise OSError(f"APC disk cache directory unavailable: {store.dir}")
+    path = Path(path)
+    size = write(store, path, snapshot, fingerprint=fingerprint, harvest=harvest)
+    if size is None:
+        return None
+    store._disk_bytes += size
+    with store._index_lock:
+        store._exact_index[int(snapshot.cache_hash)] = path
+    report("written", path, size)
+    store._maybe_evict()
+    return [int(snapshot.cache_hash)]
+
+
+def load_exact_cache_file(store, path: Path, *, min_capacity_tokens, prefix_len=None, fingerprint=None,
+                          layout=None, report=log_event):
+    """``DiskBlockStore._load_exact_cache_file``, verified: (token_ids, extra_hash,
+    prompt_cache), None (a miss; a refused entry is removed), or ``STOCK``."""
+    path = Path(path)
+    try:
+        opened = read(store, path, fingerprint=fingerprint, layout=layout, prefix_len=prefix_len,
+                      min_capacity_tokens=min_capacity_tokens)
+    except Unsealed:
+        return STOCK
+    except Gone:
+        store._drop_index_for_path(path)
+        return None
+    except Refused as refusal:
+        removed = remove(path, refusal.identity)
+        store._drop_index_for_path(path)
+        if removed:
+            store._disk_bytes = max(0, store._disk_bytes - refusal.size)
+        report("refused", path, refusal.size, refusal, removed)
+        return None
+    if opened is None:
+        return None
+    try:
+        os.utime(path, None)  # APC's disk LRU clock
+    except OSError:
+        pass
+    report("read", path, opened.size)
+    return opened.token_ids, opened.extra_hash, opened.prompt_cache
