@@ -281,6 +281,21 @@ def _json(obj):
     return json.dumps(obj, indent=4, sort_keys=True) + "\n"
 
 
+def greedy_logits(language_model, tokens, steps, cache=None):
+    """Prefill ``tokens`` ([B, L]), then ``steps`` greedy single-token steps.
+
+    Returns the last-position logits of the prefill and of every step, each
+    evaluated as it is produced (what exactness tests compare bit for bit).
+    """
+    cache = language_model.make_cache() if cache is None else cache
+    logits = [language_model(tokens, cache=cache).logits[:, -1]]
+    for _ in range(steps):
+        token = mx.argmax(logits[-1], axis=-1)
+        logits.append(language_model(token[:, None], cache=cache).logits[:, -1])
+        mx.eval(logits[-1])
+    return logits
+
+
 def write_tiny_model(out_dir, *, quantize_bits=None, seed=0, **config_overrides):
     """Write a complete, loadable checkpoint directory and return its path."""
     out = Path(out_dir)

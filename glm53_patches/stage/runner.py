@@ -156,6 +156,13 @@ def _greedy(language_model, prompts, steps):
     cache = language_model.make_cache() if len(prompts) == 1 else _make_cache(language_model, padding)
     tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
     logits = language_model(tokens, cache=cache).logits[:, -1]
+    return _decode(language_model, logits, cache, steps)
+
+
+def _decode(language_model, logits, cache, steps):
+    """``steps`` greedy steps from the prefill's last logits; the logits each step saw, stacked."""
+    import mlx.core as mx
+
     out = []
     for _ in range(steps):
         mx.eval(logits)
@@ -195,12 +202,7 @@ def _greedy_split(language_model, prompt, split, steps, restore=None):
     if restore is not None:
         cache = restore(prompt[:split], cache)
     logits = language_model(mx.array([prompt[split:]]), cache=cache).logits[:, -1]
-    out = []
-    for _ in range(steps):
-        mx.eval(logits)
-        out.append(logits)
-        logits = language_model(mx.argmax(logits, axis=-1)[:, None], cache=cache).logits[:, -1]
-    return mx.stack(out)
+    return _decode(language_model, logits, cache, steps)
 
 
 def _disk_round_trip(folder, write, load):

@@ -12,7 +12,7 @@ from mlx.utils import tree_map
 
 from glm53_patches import registry
 from glm53_patches.patches.compiled_kda_decode import PATCH, step
-from glm53_patches.tiny_model import build_model
+from glm53_patches.tiny_model import build_model, greedy_logits
 from mlx_vlm.models.cache import ArraysCache
 from mlx_vlm.models.glm5_next.config import TextConfig
 from mlx_vlm.models.glm5_next.language import Glm5NextLinearAttention
@@ -260,7 +260,7 @@ PROMPT = [5, 17, 33, 101, 7, 250, 3]
 BATCH_PROMPTS = [[5, 17, 33, 101, 7, 250, 3], [9, 8, 7], [44, 45, 46, 47, 48]]
 
 
-def greedy_logits(language_model, prompts, steps=STEPS):
+def greedy_batch(language_model, prompts, steps=STEPS):
     """Greedy decoding; left-padded batches use the batch generator's caches."""
     from mlx_vlm.generate.ar import _make_cache
 
@@ -271,13 +271,7 @@ def greedy_logits(language_model, prompts, steps=STEPS):
     else:
         cache = _make_cache(language_model, padding)  # ArraysCache gets left_padding
     tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
-    logits = language_model(tokens, cache=cache).logits[:, -1]
-    out = []
-    for _ in range(steps):
-        mx.eval(logits)
-        out.append(logits)
-        logits = language_model(mx.argmax(logits, axis=-1)[:, None], cache=cache).logits[:, -1]
-    return out
+    return greedy_logits(language_model, tokens, steps, cache=cache)
 
 
 MODEL_CASES = {"fp32": (None, [PROMPT]), "q4": (4, [PROMPT]), "fp32-batch3": (None, BATCH_PROMPTS)}
@@ -289,11 +283,11 @@ def test_model_greedy_logits_bitwise(case):
     model = build_model(quantize_bits=quantize_bits)
     language_model = model.language_model
     kda_layers = sum(layer.is_linear for layer in language_model.layers)
-    stock = greedy_logits(language_model, prompts)
+    stock = greedy_batch(language_model, prompts)
     PATCH.stats.reset()
     registry.apply([NAME], strict=True)
     try:
-        fast = greedy_logits(language_model, prompts)
+        fast = greedy_batch(language_model, prompts)
     finally:
         registry.revert([NAME])
     for i, (ref, got) in enumerate(zip(stock, fast)):

@@ -9,7 +9,7 @@ import pytest
 
 import glm53_patches
 from glm53_patches import registry
-from glm53_patches.tiny_model import build_model
+from glm53_patches.tiny_model import build_model, greedy_logits
 
 import glm53_patches.patches.hc_decode as hc_decode
 
@@ -59,19 +59,6 @@ def assert_bit_identical(expected, actual):
         assert mx.array_equal(bits(a), bits(b)).item(), f"step {step} differs"
 
 
-def greedy(language_model, prompt, steps=STEPS, cache=None):
-    """Prefill, then `steps` greedy single-token steps; each step's logits."""
-    cache = language_model.make_cache() if cache is None else cache
-    out = language_model(prompt, cache=cache)
-    logits = [out.logits[:, -1]]
-    for _ in range(steps):
-        token = mx.argmax(logits[-1], axis=-1)
-        out = language_model(token[:, None], cache=cache)
-        logits.append(out.logits[:, -1])
-        mx.eval(logits[-1])
-    return logits
-
-
 def left_padded_batch(language_model):
     """Three prompts of different lengths, left-padded, with mlx-vlm's batch caches."""
     from mlx_vlm.generate.ar import _make_cache
@@ -91,11 +78,11 @@ def layer_hits():
 def test_greedy_decode_bit_identical_batch_1(request, which):
     language_model = request.getfixturevalue(which).language_model
     prompt = mx.array([PROMPT])
-    expected = greedy(language_model, prompt)
+    expected = greedy_logits(language_model, prompt, STEPS)
 
     hc_decode.PATCH.stats.reset()
     enable(NAME)
-    actual = greedy(language_model, prompt)
+    actual = greedy_logits(language_model, prompt, STEPS)
     assert_bit_identical(expected, actual)
     snapshot = hc_decode.PATCH.stats.snapshot()
     layers = len(language_model.layers)
@@ -110,12 +97,12 @@ def test_greedy_decode_bit_identical_batch_1(request, which):
 def test_batched_left_padding_bit_identical(fp32_model):
     language_model = fp32_model.language_model
     tokens, cache = left_padded_batch(language_model)
-    expected = greedy(language_model, tokens, cache=cache)
+    expected = greedy_logits(language_model, tokens, STEPS, cache=cache)
 
     enable(NAME)
     before = layer_hits()
     tokens, cache = left_padded_batch(language_model)
-    actual = greedy(language_model, tokens, cache=cache)
+    actual = greedy_logits(language_model, tokens, STEPS, cache=cache)
     assert_bit_identical(expected, actual)
     assert layer_hits() - before == STEPS * len(language_model.layers)
 
@@ -123,13 +110,13 @@ def test_batched_left_padding_bit_identical(fp32_model):
 def test_composes_with_compiled_kda_decode(q4_model):
     language_model = q4_model.language_model
     prompt = mx.array([PROMPT, PROMPT[::-1]])
-    expected = greedy(language_model, prompt)
+    expected = greedy_logits(language_model, prompt, STEPS)
 
     kda = registry.available()[KDA]
     kda_before = kda.stats.hits
     before = layer_hits()
     enable(KDA, NAME)
-    actual = greedy(language_model, prompt)
+    actual = greedy_logits(language_model, prompt, STEPS)
     assert_bit_identical(expected, actual)
     assert layer_hits() - before == STEPS * len(language_model.layers)
     assert kda.stats.hits > kda_before  # the KDA branch inside hc_decode's layer still engaged
@@ -138,7 +125,7 @@ def test_composes_with_compiled_kda_decode(q4_model):
     glm53_patches.disable([NAME])
     kda_before = kda.stats.hits
     before = layer_hits()
-    again = greedy(language_model, prompt, steps=8)
+    again = greedy_logits(language_model, prompt, 8)
     assert_bit_identical(expected[:9], again)
     assert kda.stats.hits > kda_before
     assert layer_hits() == before

@@ -27,6 +27,7 @@ from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
 from mlx_vlm.models.glm5_next import language as _lang
 from mlx_vlm.models.glm5_next.config import TextConfig
 
+from glm53_patches import tiny_model
 from glm53_patches.kernels import hc_sinkhorn
 
 from . import layer as _layer
@@ -235,19 +236,6 @@ def check_layer(tally, dtypes=(mx.bfloat16, mx.float32), batches=(1, 2), steps=3
                 tally.compare(name, expected, actual)
 
 
-def greedy_logits(language_model, prompt, steps):
-    """Prefill then ``steps`` greedy single-token steps; every step's last logits."""
-    cache = language_model.make_cache()
-    out = language_model(prompt, cache=cache)
-    logits = [out.logits[:, -1]]
-    for _ in range(steps):
-        token = mx.argmax(logits[-1], axis=-1)
-        out = language_model(token[:, None], cache=cache)
-        logits.append(out.logits[:, -1])
-        mx.eval(logits[-1])
-    return logits
-
-
 def tiny_language_model(bits=None):
     """The tiny model's language model (``glm53_patches.tiny_model``).
 
@@ -255,7 +243,6 @@ def tiny_language_model(bits=None):
     machine without its vision/processor dependencies), an unquantized
     ``LanguageModel`` of the same configuration with seeded weights.
     """
-    from glm53_patches import tiny_model
 
     try:
         language_model = tiny_model.build_model(quantize_bits=bits, seed=0).language_model
@@ -297,13 +284,13 @@ def check_model(tally, steps=16, quantize=(None, 4)):
         for batch, prompt in prompts.items():
             label = f"tiny model {'fp32' if bits is None else f'{bits}-bit'} B={batch}"
             try:
-                expected = greedy_logits(language_model, prompt, steps)
+                expected = tiny_model.greedy_logits(language_model, prompt, steps)
             except RuntimeError as exc:  # stock itself cannot run it here: nothing to compare
                 tally.notes.append(f"{label} skipped: stock raised {str(exc).splitlines()[0][:120]}")
                 continue
             for kernel in kernel_modes():
                 with _layer.forcing_kernel(kernel), patched_instances(language_model.layers):
-                    actual = greedy_logits(language_model, prompt, steps)
+                    actual = tiny_model.greedy_logits(language_model, prompt, steps)
                 tally.compare(f"{label} kernel={'on' if kernel else 'off'}", expected, actual)
 
 
