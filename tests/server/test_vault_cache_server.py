@@ -282,7 +282,8 @@ def test_two_servers_on_one_vault_answer_every_request_like_a_solo_request(serve
         a_text, a_reply = a.chat(only_a, max_tokens=TOKENS)
         _wait_for_entry(vault, prompt_tokens(a_reply) - 1)  # APC writes in the background
         b_text, b_reply = b.chat(only_a, max_tokens=TOKENS)
-        stats = [status(tmp_path, server) for server in (a, b)]
+        # Counters are published by a background flusher: wait for b's disk hit to appear.
+        stats = [status(tmp_path, a), status(tmp_path, b, lambda s: s["hits"].get("disk", 0) >= 1)]
 
     for prompt, (text, _) in answers:
         assert text == solo[prompt], prompt
