@@ -126,6 +126,12 @@ def _chain(target: str) -> _Chain:
     return _chains[target]
 
 
+def upstream(target: str):
+    """The unpatched upstream object at ``target``, whatever patches are applied now."""
+    with _lock:
+        return _chain(target).original
+
+
 def _record(name: str, state: str, reason: str = "", **extra):
     _outcomes[name] = {"state": state, "reason": reason, **extra}
     _publish()

@@ -85,6 +85,8 @@ def kernel_diagnostics(verify, hc_sinkhorn, cases=6):
     from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
     from mlx_vlm.models.glm5_next.config import TextConfig
 
+    from glm53_patches.exactness import same_bits
+
     config = TextConfig()
     table = {}
     for variant in itertools.product(range(3), range(3), range(2)):
@@ -100,7 +102,7 @@ def kernel_diagnostics(verify, hc_sinkhorn, cases=6):
                 x, mixes, hc.scale, hc.base, hc.hc_mult, hc.sinkhorn_iters, hc.hc_eps, variant=variant
             )
             for name, a, b in zip(matched, expected, actual):
-                matched[name] += verify.same_bits(a, b)
+                matched[name] += same_bits(a, b)
         table["affine%d_softmax%d_collapse%d" % variant] = {k: f"{v}/{cases}" for k, v in matched.items()}
     return table
 
@@ -223,6 +225,7 @@ def main(argv=None):
     from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
     from mlx_vlm.models.glm5_next.config import TextConfig
 
+    from glm53_patches.exactness import Tally
     from glm53_patches.kernels import hc_sinkhorn
     from glm53_patches.patches.hc_decode import layer, verify
 
@@ -249,7 +252,7 @@ def main(argv=None):
         ("layer", lambda t: verify.check_layer(t)),
         ("model", lambda t: verify.check_model(t, quantize=(None,))),
     ):
-        tally = verify.Tally()
+        tally = Tally()
         start = time.perf_counter()
         try:
             run(tally)

@@ -1,0 +1,70 @@
+"""Bit-for-bit comparison shared by the patches' ``verify`` checks."""
+
+import mlx.core as mx
+
+from .registry import backend
+
+_UNSIGNED = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def same_bits(a, b) -> bool:
+    """Same dtype, shape and bytes (so -0.0 != 0.0 and NaN payloads count)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    unsigned = _UNSIGNED.get(a.dtype.size)
+    if unsigned is None:
+        return bool(mx.array_equal(a, b).item())
+    return bool(mx.array_equal(a.view(unsigned), b.view(unsigned)).item())
+
+
+def abs_diff(a, b) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    if a.size == 0:
+        return 0.0
+    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item())
+
+
+class Tally:
+    """Counts compared cases, mismatches and the largest difference seen."""
+
+    def __init__(self):
+        self.cases = 0
+        self.mismatches = []
+        self.max_abs_diff = 0.0
+        self.notes = []
+
+    def compare(self, name, expected, actual):
+        self.cases += 1
+        mx.eval(expected, actual)
+        differing, worst = [], 0.0
+        for i, (a, b) in enumerate(zip(expected, actual)):
+            if not same_bits(a, b):
+                differing.append(i)
+                worst = max(worst, abs_diff(a, b))
+        self.max_abs_diff = max(self.max_abs_diff, worst)
+        bad = []
+        if differing:
+            bad.append(
+                f"{len(differing)} of {len(expected)} outputs differ (first: output {differing[0]}; max |diff| {worst:.3g})"
+            )
+        if len(expected) != len(actual):
+            bad.append(f"{len(expected)} outputs expected, {len(actual)} produced")
+        if bad:
+            self.mismatches.append(f"{name}: " + "; ".join(bad))
+        return not bad
+
+    def result(self, seconds):
+        detail = f"{self.cases} cases on {backend()} in {seconds:.1f} s"
+        if self.notes:
+            detail += "; " + "; ".join(self.notes)
+        if self.mismatches:
+            shown = self.mismatches[:8]
+            more = len(self.mismatches) - len(shown)
+            detail += "; MISMATCH: " + " | ".join(shown) + (f" | and {more} more" if more else "")
+        return {
+            "exact": not self.mismatches and self.cases > 0,
+            "max_abs_diff": self.max_abs_diff,
+            "cases": self.cases,
+            "detail": detail,
+        }
