@@ -4,7 +4,19 @@ import json
 import os
 
 LAYERS = (("kda_layer", "KDA layer"), ("kda_attention", "KDA attention branch"), ("dsa_layer", "DSA layer"),
-          ("dsa_attention", "DSA attention branch"), ("moe_block", "MoE block"))
+          ("dsa_attention", "DSA attention branch"), ("dsa_indexer", "DSA indexer"), ("moe_block", "MoE block"))
+
+
+def layer_entries(results):
+    """(row name, entry) for every layer measurement; keys are ``name`` or ``name@context``."""
+    layers = results.get("layers", {})
+    out = []
+    for key, name in LAYERS:
+        for entry_key, entry in layers.items():
+            if entry_key == key or entry_key.startswith(key + "@"):
+                ctx = f" ctx {entry['context']}" if "context" in entry else ""
+                out.append((f"{name}{ctx}", entry))
+    return out
 
 
 def verdicts(results):
@@ -83,11 +95,8 @@ def table(results):
     rows = [("", labels)]
     for ctx, entry in results.get("decode", {}).items():
         rows.append((f"decode ctx {ctx} ms/token", [_cell(results, l, entry["arms"].get(l)) for l in labels]))
-    for key, name in LAYERS:
-        entry = results.get("layers", {}).get(key)
-        if entry:
-            ctx = f" ctx {entry['context']}" if "context" in entry else ""
-            rows.append((f"{name}{ctx} ms", [_cell(results, l, entry["arms"].get(l)) for l in labels]))
+    for name, entry in layer_entries(results):
+        rows.append((f"{name} ms", [_cell(results, l, entry["arms"].get(l)) for l in labels]))
     for length, entry in results.get("prefill", {}).items():
         cells = []
         for l in labels:
@@ -124,7 +133,7 @@ def write_png(results, path):
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib): no PNG written"
     panels = [(f"decode ctx {c} (ms/token)", e) for c, e in results.get("decode", {}).items()]
-    panels += [(f"{n} (ms)", results["layers"][k]) for k, n in LAYERS if k in results.get("layers", {})]
+    panels += [(f"{n} (ms)", e) for n, e in layer_entries(results)]
     panels += [(f"prefill {n} (ms)", e) for n, e in results.get("prefill", {}).items()]
     if not panels:
         return "nothing measured: no PNG written"

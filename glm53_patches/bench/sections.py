@@ -145,14 +145,11 @@ class Bench:
         if self.dsa_index is None:
             self.results["skipped"].append("dsa: the model has no DSA layer with an indexer")
             return
-        tokens = max(self.args.contexts)
         layer = self.model.model.layers[self.dsa_index]
-        c = self.config
+        attn, c = layer.self_attn, self.config
         streams = self._inputs((1, 1, c.hc_mult, c.hidden_size), salt=3)
         flat = self._inputs((1, 1, c.hidden_size), salt=4)
-
-        def make():
-            return {"cache": synthetic.clone_cache(self.context(tokens)[self.dsa_index])}
+        q_resid = self._inputs((1, 1, c.q_lora_rank), salt=6)
 
         def whole(s, i):
             out, _ = layer(streams[i % len(streams)], None, s["cache"], None)
@@ -160,16 +157,29 @@ class Bench:
             return [out]
 
         def attention(s, i):
-            out, topk = layer.self_attn(flat[i % len(flat)], None, s["cache"], None)
+            out, topk = attn(flat[i % len(flat)], None, s["cache"], None)
             mx.eval(out, topk, synthetic.cache_arrays(s["cache"]))
             return [out, topk]
 
+        def indexer(s, i):  # the indexer alone, as attention calls it for one token
+            cache = s["cache"]
+            topk = attn.indexer(flat[i % len(flat)], q_resid[i % len(q_resid)], None, cache[1], cache[2],
+                                cache[0].offset)
+            cache[0].offset += 1  # the latent cache advances with the indexer's own caches
+            mx.eval(topk, synthetic.cache_arrays(cache))
+            return [topk]
+
         final = lambda s: synthetic.cache_arrays(s["cache"])  # noqa: E731
-        self.context(tokens)
-        for name, fn in (("dsa_layer", whole), ("dsa_attention", attention)):
-            timed = self._run("layers", name, measure.Workload(f"{name} {self.dsa_index} ctx {tokens}",
-                                                                make, fn, final))
-            timed["context"] = tokens
+        # Every decode context: the DSA layers are the ones whose cost grows with it.
+        for tokens in self.args.contexts:
+            def make(tokens=tokens):
+                return {"cache": synthetic.clone_cache(self.context(tokens)[self.dsa_index])}
+
+            self.context(tokens)
+            for name, fn in (("dsa_layer", whole), ("dsa_attention", attention), ("dsa_indexer", indexer)):
+                workload = measure.Workload(f"{name} {self.dsa_index} ctx {tokens}", make, fn, final)
+                timed = self._run("layers", f"{name}@{tokens}", workload)
+                timed["context"] = tokens
 
     def moe(self):
         if self.moe_index is None:

@@ -257,17 +257,21 @@ def context_caches(model, context, dtype, spare=512, seed=0):
         latent.values = mx.zeros((1, 1, capacity, 0), dtype=dtype)
         latent.offset = context
         if layer.self_attn.indexer is not None:
-            valid, pool = cache[1], cache[2]
-            valid.keys = mx.ones((1, 1, capacity, 1), dtype=mx.bool_)
-            valid.values = mx.zeros((1, 1, capacity, 0), dtype=mx.bool_)
-            valid.offset = context
-            if context // pool.ratio:
-                pool.pooled = normal((1, context // pool.ratio, c.index_head_dim), 1.0, dtype)
-            pool.buf_kv = normal((1, pool.ratio, c.index_head_dim), 1.0, dtype)
-            pool.buf_gate = normal((1, pool.ratio, c.index_head_dim), 1.0, dtype)
-            pool.remainder = context % pool.ratio
+            fill_indexer_caches(cache[1], cache[2], c, context, capacity, lambda shape: normal(shape, 1.0, dtype))
     mx.eval(cache_arrays(caches))
     return caches
+
+
+def fill_indexer_caches(valid, pool, config, context, capacity, normal):
+    """An indexer's key-validity KVCache and PoolingCache after a ``context``-token prefill."""
+    valid.keys = mx.ones((1, 1, capacity, 1), dtype=mx.bool_)
+    valid.values = mx.zeros((1, 1, capacity, 0), dtype=mx.bool_)
+    valid.offset = context
+    if context // pool.ratio:
+        pool.pooled = normal((1, context // pool.ratio, config.index_head_dim))
+    pool.buf_kv = normal((1, pool.ratio, config.index_head_dim))
+    pool.buf_gate = normal((1, pool.ratio, config.index_head_dim))
+    pool.remainder = context % pool.ratio
 
 
 def cache_arrays(cache):

@@ -64,8 +64,14 @@ def test_json_has_every_figure(run):
             assert len(entry["round_medians"]) == 2 and entry["peak_memory"] > 0
     for length in ("8", "16"):
         assert all(r["prefill"][length]["arms"][a]["tokens_per_s"] > 0 for a in arms)
-    for name in ("kda_layer", "kda_attention", "dsa_layer", "dsa_attention", "moe_block"):
+    for name in ("kda_layer", "kda_attention", "moe_block"):
         assert set(r["layers"][name]["arms"]) == set(arms)
+    for name in ("dsa_layer", "dsa_attention", "dsa_indexer"):  # measured at every decode context
+        for ctx in (16, 96):
+            entry = r["layers"][f"{name}@{ctx}"]
+            assert set(entry["arms"]) == set(arms) and entry["context"] == ctx
+    rows = [name for name, _ in report.layer_entries(r)]
+    assert "DSA indexer ctx 96" in rows and "DSA layer ctx 16" in rows
     graph = r["graph_primitives"]["decode_step"]
     assert all(graph[a]["total"] >= graph[a]["not_views"] > 0 for a in arms)
     assert r["bandwidth"]["copy_GBps"] > 0 and r["bandwidth"]["matvec_GBps"] > 0
@@ -83,7 +89,7 @@ def test_graph_count_is_deterministic(run):
 def test_token_check_compares_arms(run):
     code, r = run
     good = r["correctness"]["bench_probe_exact"]
-    assert set(good) >= {"decode.16", "decode.96", "layers.kda_layer", "prefill.8"}
+    assert set(good) >= {"decode.16", "decode.96", "layers.kda_layer", "layers.dsa_indexer@96", "prefill.8"}
     for name in ("decode.16", "decode.96"):
         check = good[name]
         assert check["compared_with"] == "stock" and len(check["tokens"]) == 3
