@@ -1,0 +1,49 @@
+"""How dsa_decode becomes an mlx-vlm pull request: read by `glm53-patches stage`.
+
+Pure data, no imports. The upstream module is generated from ``indexer.py``
+itself (see ``glm53_patches/stage/source.py`` for the rules).
+"""
+
+TITLE = "glm5_next: indexer decode without context-sized bookkeeping (MLX_VLM_GLM5_DSA_DECODE)"
+
+# Off by default upstream: `MLX_VLM_GLM5_DSA_DECODE=1` turns it on.
+SWITCH = "MLX_VLM_GLM5_DSA_DECODE"
+
+MODULES = {"decode": "mlx_vlm/models/glm5_next/dsa_decode.py"}
+
+PLUGIN_ONLY = ("make_call", "make_attend")
+
+HOOKS = (
+    {
+        "file": "mlx_vlm/models/glm5_next/language.py",
+        "function": "Glm5NextIndexer.__call__",
+        "import": "from . import dsa_decode",
+        "code": (
+            "if dsa_decode.ENABLED:\n"
+            "    topk = dsa_decode.decode_topk(self, x, q_resid, padding_mask, cache, pool_cache, offset)\n"
+            "    if topk is not None:\n"
+            "        return topk\n"
+        ),
+    },
+    {
+        "file": "mlx_vlm/models/glm5_next/language.py",
+        "function": "Glm5NextAttention._attend",
+        "import": "from . import dsa_decode",
+        "code": (
+            "if dsa_decode.ENABLED:\n"
+            "    result = dsa_decode.decode_attend(self, q, latent, new_latent, topk, kv_cache, projected_cache, last_only)\n"
+            "    if result is not None:\n"
+            "        return result\n"
+        ),
+    },
+)
+
+FAST_PATH = "mlx_vlm.models.glm5_next.dsa_decode:decode_topk"
+
+TESTS = {"upstream_tests.py": "mlx_vlm/tests/test_glm5_next_dsa_decode.py"}
+
+PR_SECTIONS = (
+    ("Why and how", ("What it replaces", "When it steps aside")),
+    ("Why the outputs are bit-identical", ("Why it is exact",)),
+    ("Measured effect", ("Measured",)),
+)
