@@ -1,0 +1,138 @@
+"""KDA mixer prefill with the chunked gated delta rule.
+
+``Glm5NextLinearAttention.__call__`` is replaced by a wrapper that, for
+prefill (length > 1) off Metal, runs the stock mixer body op for op and only
+swaps its ``gated_delta_update`` call (stock: a per-token loop of compiled
+steps) for ``chunked.chunked_gated_delta``. Everything else (decode, Metal,
+training, speculative history, a mask that is not bool, no gate bound, a
+replaced helper) goes to the object it wraps: stock, or another patch such as
+compiled_kda_decode, which handles length 1 and passes prefill on.
+
+The wrapper, not the module-level name ``gated_delta_update`` that language.py
+imports, is the target: the drift guard fingerprints definitions, and an
+imported name has none.
+"""
+
+import functools
+import logging
+
+import mlx.core as mx
+
+from mlx_vlm.models import gated_delta as _gd
+from mlx_vlm.models.glm5_next import language as _lang
+
+from glm53_patches import config
+
+from . import NAME, PATCH
+from .chunked import chunked_gated_delta, log_gate, sub_block
+
+log = logging.getLogger(__name__)
+stats = PATCH.stats
+
+DEFAULT_CHUNK = 16  # fastest measured on this CPU (PATCH.md); a GPU likely wants 64
+_CHUNKS = (16, 32, 64, 128)
+_logged = set()
+
+
+def _parse_chunk(value):
+    chunk = int(value)
+    if chunk not in _CHUNKS:
+        raise ValueError(f"accepted: one of {', '.join(map(str, _CHUNKS))}")
+    return chunk
+
+
+def chunk_size():
+    """GLM53_KDA_PREFILL_KERNEL_CHUNK, read per call (cheap) so tests can set it."""
+    chunk, error = config.knob(NAME, "chunk", _parse_chunk, DEFAULT_CHUNK)
+    if error and error not in _logged:
+        _logged.add(error)
+        log.error(f"{error}; using {DEFAULT_CHUNK}")
+    return chunk
+
+
+def _why_not(attn, x, mask):
+    """None if the chunked path handles this call, else the fallback reason."""
+    if x.shape[1] < 2:
+        return "decode (length 1)"
+    if attn.training:
+        return "training"
+    if mx.default_device() == mx.gpu and mx.metal.is_available():
+        return "metal (stock has a fused kernel)"
+    if mask is not None and mask.dtype != mx.bool_:
+        return "mask not bool"
+    if attn.lower_bound is None:
+        return "no gate lower bound"
+    if sub_block(chunk_size(), attn.lower_bound) is None:
+        return "gate lower bound too large for float32 chunking"
+    if _lang.gated_delta_update is not _gd.gated_delta_update:
+        return "gated_delta_update replaced"
+    return None
+
+
+def _recurrence(q, k, v, a, b, A_log, dt_bias, lower_bound, mask, state, steps):
+    """Stock ``gated_delta_update`` minus the cache plumbing, chunked."""
+    if steps is not None:  # the cache wants per-token states (speculation)
+        stats.fallback("speculative history")
+        return _gd.gated_delta_update(
+            q, k, v, a, b, A_log, dt_bias, state=state, mask=mask,
+            lower_bound=lower_bound, state_steps=steps,
+        )
+    stats.hit("prefill")
+    chunk = chunk_size()
+    return chunked_gated_delta(
+        q, k, v, log_gate(A_log, a, dt_bias, lower_bound), mx.sigmoid(b), state, mask,
+        chunk=chunk, sub=sub_block(chunk, lower_bound),
+    )
+
+
+def prefill(self, x, mask=None, cache=None):
+    """The stock mixer body (language.py, Glm5NextLinearAttention.__call__)."""
+    linear = _lang.linear
+    batch, length, _ = x.shape
+    if mask is not None and mask.dtype == mx.bool_:
+        x = mx.where(mask[..., None], x, 0)
+    qkv = self.qkv_conv(linear(self.qkv_proj, x), mask=mask, cache=cache)
+    shape = (batch, length, self.num_heads, self.head_dim)
+    q, k, v = (value.reshape(shape) for value in mx.split(qkv, 3, axis=-1))
+    eps = 1e-6 / self.head_dim
+    q = self.scale**2 * mx.fast.rms_norm(q, None, eps)
+    k = self.scale * mx.fast.rms_norm(k, None, eps)
+    f_a, b, g_a = mx.split(
+        linear(self.fbg_a_proj, x),
+        (self.head_dim, self.head_dim + self.num_heads),
+        axis=-1,
+    )
+    a = linear(self.f_b_proj, f_a).reshape(shape)
+    b = b.reshape(batch, length, self.num_heads)
+    args = (
+        q, k, v, a, b,
+        self.A_log.reshape(self.num_heads, 1),
+        self.dt_bias.reshape(self.num_heads, self.head_dim),
+        self.lower_bound, mask,
+    )
+    if cache is None:
+        output, _ = _recurrence(*args, None, None)
+    else:
+        output, _ = cache.update_recurrent(1, length, lambda initial, steps: _recurrence(*args, initial, steps))
+        cache.advance(length)
+    gate = linear(self.g_b_proj, g_a).reshape(shape)
+    output = (self.o_norm(output) * mx.sigmoid(gate)).reshape(batch, length, -1)
+    return linear(self.o_proj, output)
+
+
+def make_call(original):
+    """The replacement for ``Glm5NextLinearAttention.__call__``."""
+
+    @functools.wraps(original)
+    def __call__(self, x, mask=None, cache=None):
+        reason = _why_not(self, x, mask)
+        if reason is None:
+            return prefill(self, x, mask, cache)
+        stats.fallback(reason)
+        return original(self, x, mask, cache)
+
+    return __call__
+
+
+def clear():
+    _logged.clear()
