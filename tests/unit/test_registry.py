@@ -1,6 +1,7 @@
 """Apply / revert: declared targets, exact originals back, composition, drift, rollback."""
 
 import itertools
+import random
 import threading
 
 import pytest
@@ -75,10 +76,31 @@ def test_every_patch_alone_applies_and_reverts_to_the_same_objects():
         _assert_restored(originals)
 
 
-def test_all_patches_in_every_order():
-    names = list(registry.available())
+def _orders(patches, samples=24):
+    """Every order of each group of patches that replace one target (the others
+    after them), forward and reverse, then seeded random orders up to ``samples``:
+    every order of eight patches would be 40,320 runs."""
+    names = list(patches)
+    sharing = {}
+    for name, patch in patches.items():
+        for target in patch.targets:
+            sharing.setdefault(target, []).append(name)
+    groups = {tuple(group) for group in sharing.values() if len(group) > 1}
+    orders = {tuple(names), tuple(reversed(names))}
+    for group in groups:
+        rest = tuple(n for n in names if n not in group)
+        orders |= {perm + rest for perm in itertools.permutations(group)}
+    rng = random.Random(0)
+    while len(orders) < samples:
+        orders.add(tuple(rng.sample(names, len(names))))
+    return groups, sorted(orders)
+
+
+def test_all_patches_in_many_orders():
+    groups, orders = _orders(registry.available())
+    assert groups, "no two patches share a target: composition is not exercised"
     originals = _originals()
-    for order in itertools.permutations(names):
+    for order in orders:
         registry.apply(order, strict=True)
         assert registry.applied() == list(order)
         registry.revert(list(order[1::2]) + list(order[0::2]))  # interleaved revert order
