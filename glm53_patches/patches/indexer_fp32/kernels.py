@@ -31,6 +31,10 @@ from typing import Optional
 
 import mlx.core as mx
 
+from glm53_patches.kernels import hc_sinkhorn
+
+gpu_backend = hc_sinkhorn.gpu_backend  # one definition; score.py and tests look it up here
+
 LANES = 32  # threads per (query, pool): one warp / simdgroup
 THREADS = 256  # per block / threadgroup: 8 (query, pool) pairs
 _MAX_THREADS = 2**31 - 1  # MLX takes the grid as int
@@ -127,18 +131,6 @@ METAL_SOURCE = r"""
 """
 
 _kernels = {}
-
-
-def gpu_backend() -> Optional[str]:
-    """'cuda' or 'metal' when the default device is a GPU, else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return None
 
 
 def _kernel(backend):
