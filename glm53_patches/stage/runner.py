@@ -40,10 +40,14 @@ import traceback
 # case -> (checkpoint, prompts, steps). Batches are left-padded the way the
 # batch generator pads them.
 PROMPT = [5, 17, 33, 101, 7, 250, 3]
+# 80 tokens: longer than the decode block (prefill paths run) and than the 64
+# keys the tiny model's indexers keep (pools are really dropped).
+LONG_PROMPT = [(37 * i + 11) % 500 for i in range(80)]
 CASES = {
     "fp32": ("fp32", [PROMPT], 24),
     "fp32-batch3": ("fp32", [PROMPT, [9, 8, 7], [44, 45, 46, 47, 48]], 12),
     "q4": ("q4", [PROMPT], 12),
+    "fp32-long": ("fp32", [LONG_PROMPT], 8),
 }
 
 

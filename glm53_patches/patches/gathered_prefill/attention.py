@@ -47,7 +47,7 @@ log = logging.getLogger("glm53_patches")
 NAME = "gathered_prefill"
 # No gathered K/V (and no other intermediate) may exceed this many elements.
 MAX_ELEMENTS = 2**31 - 1
-# On the CPU the chunk size does not change the speed (PATCH.md), only the
+# On the CPU the chunk size does not change the speed (measured), only the
 # memory (about three chunks of gathered K and V are alive at once), so the
 # CPU default budget is 2^29 elements: 15 queries per chunk at GLM-5.3-Flash's
 # sizes, about 2 GB of bf16 K+V per chunk.
@@ -56,7 +56,7 @@ CPU_ELEMENTS = 2**29
 INDEX_LIMIT = 2**31 - 1
 # Below this many keys (context length) the stock loop runs. 0: measured on
 # the CPU, the patch was never slower at any context (1k..16k keys), and the
-# memory it saves grows with the query count, not the context (PATCH.md).
+# memory it saves grows with the query count, not the context (measured).
 DEFAULT_MIN_CONTEXT = 0
 
 _errors_logged = set()
@@ -192,18 +192,26 @@ def gathered_attention(q, k, v, indices, scale, max_elements=None):
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
 
 
+def prefill_attention(q, k, v, indices, scale):
+    """The gathered path; None, having built nothing, where the stock code must run."""
+    reason = _why_not(q, k, v, indices)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
+    stats.hit()
+    return gathered_attention(q, k, v, indices, scale)
+
+
 def make_sparse_prefill(original):
     """The replacement for ``language._sparse_prefill_attention``."""
 
     @functools.wraps(original)
     def _sparse_prefill_attention(q, k, v, indices, scale, chunk_size=16, use_kernel=True):
-        reason = _why_not(q, k, v, indices)
-        if reason is not None:
-            stats.fallback(reason)
-            return original(q, k, v, indices, scale, chunk_size=chunk_size, use_kernel=use_kernel)
-        stats.hit()
         # chunk_size only tiles memory in stock; results do not depend on it.
-        return gathered_attention(q, k, v, indices, scale)
+        out = prefill_attention(q, k, v, indices, scale)
+        if out is None:
+            return original(q, k, v, indices, scale, chunk_size=chunk_size, use_kernel=use_kernel)
+        return out
 
     return _sparse_prefill_attention
 

@@ -29,7 +29,7 @@ from .chunked import chunked_gated_delta, log_gate, sub_block
 log = logging.getLogger(__name__)
 stats = PATCH.stats
 
-DEFAULT_CHUNK = 16  # fastest measured on this CPU (PATCH.md); a GPU likely wants 64
+DEFAULT_CHUNK = 16  # fastest measured on a 2-core CPU; a GPU likely wants 64
 _CHUNKS = (16, 32, 64, 128)
 _logged = set()
 
@@ -120,16 +120,22 @@ def prefill(self, x, mask=None, cache=None):
     return linear(self.o_proj, output)
 
 
+def prefill_call(self, x, mask=None, cache=None):
+    """``self(x, mask, cache)`` with the chunked recurrence; None, having touched nothing, elsewhere."""
+    reason = _why_not(self, x, mask)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
+    return prefill(self, x, mask, cache)
+
+
 def make_call(original):
     """The replacement for ``Glm5NextLinearAttention.__call__``."""
 
     @functools.wraps(original)
     def __call__(self, x, mask=None, cache=None):
-        reason = _why_not(self, x, mask)
-        if reason is None:
-            return prefill(self, x, mask, cache)
-        stats.fallback(reason)
-        return original(self, x, mask, cache)
+        output = prefill_call(self, x, mask, cache)
+        return original(self, x, mask, cache) if output is None else output
 
     return __call__
 
