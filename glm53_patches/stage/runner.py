@@ -47,7 +47,7 @@ CASES = {
     "fp32": ("fp32", [PROMPT], 24),
     "fp32-batch3": ("fp32", [PROMPT, [9, 8, 7], [44, 45, 46, 47, 48]], 12),
     "q4": ("q4", [PROMPT], 12),
-    "fp32-long": ("fp32", [LONG_PROMPT], 8),
+    "fp32-long": ("fp32", [LONG_PROMPT], 12),
 }
 
 
