@@ -60,11 +60,6 @@ def cache_state(cache):
     return out
 
 
-def run(language_model, tokens, steps, cache=None):
-    logits = greedy_logits(language_model, tokens, steps, cache=cache)
-    return logits
-
-
 def left_padded(language_model, prompts):
     from mlx_vlm.generate.ar import _make_cache
 
@@ -88,11 +83,11 @@ def test_greedy_decode_bit_identical_batch_1(request, which):
     language_model = request.getfixturevalue(which).language_model
     prompt = mx.array([PROMPT])
     stock_cache = language_model.make_cache()
-    expected = run(language_model, prompt, STEPS, cache=stock_cache)
+    expected = greedy_logits(language_model, prompt, STEPS, cache=stock_cache)
 
     request.getfixturevalue("enabled")
     cache = language_model.make_cache()
-    actual = run(language_model, prompt, STEPS, cache=cache)
+    actual = greedy_logits(language_model, prompt, STEPS, cache=cache)
     for step, (a, b) in enumerate(zip(expected, actual)):
         assert_same(a, b, f"logits at step {step}")
     stock_state, state = cache_state(stock_cache), cache_state(cache)
@@ -110,11 +105,11 @@ def test_batched_left_padding_bit_identical(fp32_model, request):
     language_model = fp32_model.language_model
     prompts = [PROMPT + PROMPT[:30], PROMPT[5:], PROMPT[:9]]  # 70, 35 and 9 tokens
     tokens, cache = left_padded(language_model, prompts)
-    expected = run(language_model, tokens, STEPS, cache=cache)
+    expected = greedy_logits(language_model, tokens, STEPS, cache=cache)
 
     request.getfixturevalue("enabled")
     tokens, cache = left_padded(language_model, prompts)
-    actual = run(language_model, tokens, STEPS, cache=cache)
+    actual = greedy_logits(language_model, tokens, STEPS, cache=cache)
     for step, (a, b) in enumerate(zip(expected, actual)):
         assert_same(a, b, f"logits at step {step}")
     hits = PATCH.stats.snapshot()["hits"]
@@ -130,7 +125,7 @@ def test_resumed_cache_bit_identical(fp32_model, request):
     def resumed():
         cache = language_model.make_cache()
         mx.eval(language_model(first, cache=cache).logits)
-        return run(language_model, second, 24, cache=cache)
+        return greedy_logits(language_model, second, 24, cache=cache)
 
     expected = resumed()
     request.getfixturevalue("enabled")

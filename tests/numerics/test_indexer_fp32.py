@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from glm53_patches import registry
-from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patches.indexer_fp32 import PATCH, kernels, quality, score
 from glm53_patches.tiny_model import build_model, greedy_logits
 from mlx_vlm.models.glm5_next import language
@@ -168,27 +167,17 @@ def test_kernel_switch_and_routing(stats, monkeypatch):
     assert hits == {"compiled": 2 * 3 + 1, "kernel-cuda": 3 + 2} and fallbacks == {"kernel queries": 1}
 
 
-def test_tiny_model_bitwise_through_registry(monkeypatch):
-    class Plugin:
-        @hookimpl
-        def glm53_patches(self):
-            return [PATCH]
-
-    monkeypatch.setattr(registry, "_extra_plugins", [])
-    monkeypatch.setattr(registry, "_plugins", None)
-    registry.register_plugin(Plugin())
+def test_tiny_model_bitwise_through_registry():
     model = build_model(index_topk=16, seed=1).language_model  # fp32: 4 of up to 27 pools
     prompt = mx.array([[(7 * i) % 480 + 20 for i in range(96)]])
     stock = greedy_logits(model, prompt, 12)
     PATCH.stats.reset()
     try:
-        # force: the lead regenerates the drift fingerprints when the patch lands.
-        outcome = registry.apply([NAME], force=[NAME], strict=True)[NAME]
+        outcome = registry.apply([NAME], strict=True)[NAME]
         assert outcome["state"] == "applied", outcome
         patched = greedy_logits(model, prompt, 12)
     finally:
         registry.revert([NAME])
-        registry._plugins = None
     for step, (a, b) in enumerate(zip(stock, patched)):
         assert_bitwise(a, b, step)
     hits, fallbacks = counts()

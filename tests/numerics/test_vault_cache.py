@@ -18,7 +18,6 @@ import pytest
 from glm53_patches import registry
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import Patch
-from glm53_patches.patches import vault_cache
 from glm53_patches.patches.vault_cache import PATCH, keying
 
 NAME = "vault_cache"
@@ -40,8 +39,6 @@ def loaded(tiny_fp32_dir, tiny_q4_dir):
 
 @pytest.fixture
 def vault():
-    if NAME not in registry.available():  # until the entry point is installed
-        registry.register_plugin(vault_cache)
     PATCH.stats.reset()
     registry.apply([NAME], strict=True)
     managers = []
