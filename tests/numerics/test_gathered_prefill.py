@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from glm53_patches.patches.gathered_prefill import PATCH, attention
+from glm53_patches.patches.gathered_prefill.verify import indexer_like
 from glm53_patches.tiny_model import build_model, tiny_config
 from mlx_vlm.models.glm5_next import language
 
@@ -37,33 +38,6 @@ def patched(monkeypatch):
     return fast
 
 
-def indexer_like(batch, q_length, kv_length, topk, kpool, seed, padded_rows=()):
-    """Indices shaped like the indexer's: chosen pools in order, tail keys, -1 holes.
-
-    Also a few entries >= kv_length (stock masks those too) and, for each
-    (row, count) in padded_rows, that many leading all -1 query rows (left padding).
-    """
-    rng = np.random.default_rng(seed)
-    width = topk + kpool - 1
-    out = np.full((batch, q_length, width), -1, dtype=np.int32)
-    for b in range(batch):
-        for i in range(q_length):
-            visible = kv_length - q_length + i + 1
-            complete = visible // kpool
-            chosen = np.sort(rng.permutation(complete)[: topk // kpool])
-            keys = (chosen[:, None] * kpool + np.arange(kpool)).reshape(-1)
-            out[b, i, : keys.size] = keys
-            tail = np.arange(complete * kpool, visible)[: kpool - 1]
-            out[b, i, topk : topk + tail.size] = tail
-    holes = rng.random(out.shape) < 0.05
-    out[holes] = -1
-    beyond = rng.random(out.shape) < 0.01
-    out[beyond] = kv_length + 3
-    for row, count in padded_rows:
-        out[row, :count] = -1
-    return mx.array(out)
-
-
 def inputs(dtype, batch=1, q_heads=4, kv_heads=4, q_length=37, kv_length=120, dim=32, v_dim=32,
            topk=24, kpool=4, seed=0, padded_rows=(), capacity=None):
     """capacity: K/V are views [..., :kv_length, :] of a longer buffer, as KVCache returns them."""
@@ -72,7 +46,8 @@ def inputs(dtype, batch=1, q_heads=4, kv_heads=4, q_length=37, kv_length=120, di
     capacity = capacity or kv_length
     k = mx.random.normal((batch, kv_heads, capacity, dim)).astype(dtype)[..., :kv_length, :]
     v = mx.random.normal((batch, kv_heads, capacity, v_dim)).astype(dtype)[..., :kv_length, :]
-    indices = indexer_like(batch, q_length, kv_length, topk, kpool, seed, padded_rows)
+    indices = indexer_like(batch, q_length, kv_length, topk, kpool, seed, holes=0.05, beyond=0.01,
+                           padded_rows=padded_rows)
     return q, k, v, indices, dim**-0.5
 
 

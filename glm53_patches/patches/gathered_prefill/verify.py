@@ -19,7 +19,13 @@ def _bits(a):
     return np.array(a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize]))
 
 
-def _indices(batch, q_length, kv_length, topk, kpool, seed):
+def indexer_like(batch, q_length, kv_length, topk, kpool, seed, holes=0.0, beyond=0.0, padded_rows=()):
+    """Indices shaped like the indexer's: chosen pools in order, then the tail keys.
+
+    ``holes``/``beyond``: the fraction of entries set to -1 / past ``kv_length``
+    (stock masks both); for each (row, count) in ``padded_rows``, that many
+    leading all -1 query rows (left padding, as the indexer writes them).
+    """
     rng = np.random.default_rng(seed)
     out = np.full((batch, q_length, topk + kpool - 1), -1, dtype=np.int32)
     for b in range(batch):
@@ -31,18 +37,21 @@ def _indices(batch, q_length, kv_length, topk, kpool, seed):
             out[b, i, : keys.size] = keys
             tail = np.arange(complete * kpool, visible)[: kpool - 1]
             out[b, i, topk : topk + tail.size] = tail
-    out[:, :3] = -1  # padding rows, as the indexer writes for masked queries
+    if holes:
+        out[rng.random(out.shape) < holes] = -1
+    if beyond:
+        out[rng.random(out.shape) < beyond] = kv_length + 3
+    for row, count in padded_rows:
+        out[row, :count] = -1
     return mx.array(out)
 
 
 def verify():
-    from mlx_vlm.models.glm5_next import language
+    from glm53_patches import registry
 
-    from . import attention
+    from . import PATCH, attention
 
-    stock = language._sparse_prefill_attention
-    while hasattr(stock, "__wrapped__"):  # the upstream function, under any patch
-        stock = stock.__wrapped__
+    stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
     cases, worst, failures = 0, 0.0, []
     small = [(dtype, batch, chunk) for dtype in (mx.float32, mx.bfloat16) for batch in (1, 2) for chunk in (5, 16, 40)]
     # (dtype, batch, heads, dim, q_length, kv_length, topk, kpool, queries per patched chunk)
@@ -53,7 +62,8 @@ def verify():
         q = mx.random.normal((batch, heads, q_length, dim)).astype(dtype)
         k = mx.random.normal((batch, heads, kv_length, dim)).astype(dtype)
         v = mx.random.normal((batch, heads, kv_length, dim)).astype(dtype)
-        indices = _indices(batch, q_length, kv_length, topk, kpool, cases)
+        indices = indexer_like(batch, q_length, kv_length, topk, kpool, cases,
+                               padded_rows=[(b, 3) for b in range(batch)])
         width = indices.shape[-1]
         budget = heads * width * dim * batch * chunk
         ref = stock(q, k, v, indices, dim**-0.5, use_kernel=False)

@@ -15,24 +15,16 @@ samples per arm, and the median of the per-round ratios stock / patch.
 
 import argparse
 import statistics
-import time
 
 import mlx.core as mx
+
+from glm53_patches.bench.measure import _median_time
 
 from .quality import real_inputs
 
 CASES = ((1, 1024), (1, 2048), (512, 1024), (512, 2048))
 SELECT_K = 128
 SCALE = 128**-0.5
-
-
-def _sample(fn, reps):
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_case(queries, pools, rounds, reps):
@@ -62,7 +54,7 @@ def bench_case(queries, pools, rounds, reps):
         ratios = []
         for r in range(rounds):
             order = ("stock", "patch") if r % 2 == 0 else ("patch", "stock")
-            got = {name: _sample(pair[name], reps) for name in order}
+            got = {name: _median_time(pair[name], reps, warm=0) for name in order}
             for name, value in got.items():
                 samples[name].append(value)
             ratios.append(got["stock"] / got["patch"])
