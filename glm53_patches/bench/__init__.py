@@ -26,7 +26,7 @@ def add_arguments(parser):
     a("--experts", help="routed experts per MoE layer, or 'auto' (default: what fits, at most 64)")
     a("--dtype", choices=("bfloat16", "float32"), help="activation dtype (default bfloat16; --small float32)")
     a("--arms", default="stock,each,all",
-      help="comma list: stock, a patch name, a+b, 'each' (every patch alone), 'all' (every patch)")
+      help="comma list: stock, a patch name, a+b, 'each' (every patch alone), 'all' (what GLM53_PATCHES=all turns on here: the exact patches, kernels only where verified), all+name")
     a("--contexts", help="decode context lengths, short,long (default 256,4096; --small 16,256)")
     a("--prefill", help="prefill prompt lengths (default 128,512; --small 16,64; '' skips)")
     a("--rounds", type=int, help="interleaved rounds per measurement (default 3)")

@@ -72,15 +72,15 @@ class Arms:
         for label in [s.strip() for s in spec.split(",") if s.strip()]:
             if label == "stock":
                 names = []
-            elif label == "all":
-                names = list(self.patches)
             elif label == "each":
                 for name in self.patches:
                     self._add(name, [name])
                 continue
-            else:
-                names = label.split("+")
-            self._add(label, names)
+            else:  # a+b; "all" is what GLM53_PATCHES=all turns on here
+                names = []
+                for part in label.split("+"):
+                    names += [n for n, p in self.patches.items() if registry.covered_by_all(p)] if part == "all" else [part]
+            self._add(label, list(dict.fromkeys(names)))
         if "stock" not in self.sets:
             self.sets = {"stock": [], **self.sets}
         self.state = {label: {"patches": names, "numerics": self.numerics(label), "applied": None}

@@ -6,7 +6,9 @@ import mlx.core as mx
 
 from . import measure, synthetic
 
-SECTIONS = ("bandwidth", "kda", "decode", "graph", "dsa", "moe", "prefill")
+CHUNK = 2048  # the prefill step mlx-vlm uses (prefill_step_size)
+
+SECTIONS = ("bandwidth", "kda", "decode", "graph", "dsa", "moe", "prefill", "prefill_kda", "prefill_dsa")
 
 
 class Bench:
@@ -195,12 +197,28 @@ class Bench:
 
         self._run("layers", "moe_block", measure.Workload(f"MoE block {self.moe_index}", dict, step))
 
-    def prefill(self):
-        model = self.model
+    def _prefill(self, key, length, make, step, final=lambda s: [], token=None):
+        """One fresh-cache prefill of ``length`` tokens per run; tokens/s beside the ms."""
+        workload = measure.Workload(f"prefill {key}", make, step, final, token=token, unit="ms")
+        timed = self._run("prefill", key, workload, steps=1, warmup=0, check_steps=1,
+                          rounds=self.args.prefill_rounds)
+        for entry in timed["arms"].values():
+            entry["tokens_per_s"] = length / entry["median"] * 1e3
+            entry["tokens_per_s_min"] = length / entry["max"] * 1e3
+            entry["tokens_per_s_max"] = length / entry["min"] * 1e3
+        timed["length"] = length
+        self.save()
+
+    def _lengths(self, what):
         for length in self.args.prefill:
             if self.runner.past_deadline():
-                self.results["skipped"].append(f"prefill {length}: time budget spent")
-                continue
+                self.results["skipped"].append(f"{what} {length}: time budget spent")
+            else:
+                yield length
+
+    def prefill(self):
+        model = self.model
+        for length in self._lengths("prefill"):
             prompt = mx.random.randint(0, self.config.vocab_size, (1, length), key=mx.random.key(length))
 
             def make():
@@ -208,17 +226,45 @@ class Bench:
 
             def step(s, i, prompt=prompt):
                 logits = None
-                for start in range(0, prompt.shape[1], 2048):
-                    logits = model(prompt[:, start:start + 2048], cache=s["cache"], num_logits_to_keep=1).logits
+                for start in range(0, prompt.shape[1], CHUNK):
+                    logits = model(prompt[:, start:start + CHUNK], cache=s["cache"], num_logits_to_keep=1).logits
                     mx.eval(logits, synthetic.cache_arrays(s["cache"]))
-                return [logits[:, -1, :]]
+                return [logits[:, -1, :], mx.argmax(logits[:, -1, :], axis=-1)]
 
-            workload = measure.Workload(f"prefill {length}", make, step, unit="ms")
-            timed = self._run("prefill", str(length), workload, steps=1, warmup=0, check_steps=1,
-                              rounds=self.args.prefill_rounds)
-            for entry in timed["arms"].values():
-                entry["tokens_per_s"] = length / entry["median"] * 1e3
-                entry["tokens_per_s_min"] = length / entry["max"] * 1e3
-                entry["tokens_per_s_max"] = length / entry["min"] * 1e3
-            timed["length"] = length
-            self.save()
+            self._prefill(str(length), length, make, step, token=lambda arrays: arrays[1].item())
+
+    def _prefill_layer(self, kind, index):
+        """One decoder layer (both hyper-connections, attention, FFN) over a prompt, in
+        the model's chunks and with the mask the model gives it (none at batch 1)."""
+        from mlx_vlm.models.base import create_ssm_mask
+
+        model, layer, c = self.model, self.model.model.layers[index], self.config
+        for length in self._lengths(f"prefill {kind} layer"):
+            x = mx.random.normal((1, length, c.hc_mult, c.hidden_size), key=mx.random.key(length)).astype(self.dtype)
+            mx.eval(x)
+
+            def make():
+                return {"cache": model.make_cache()[index]}
+
+            def step(s, i, x=x):
+                out = None
+                for start in range(0, x.shape[1], CHUNK):
+                    h = x[:, start:start + CHUNK]
+                    mask = create_ssm_mask(h[:, :, 0], s["cache"]) if layer.is_linear else None
+                    out, _ = layer(h, mask, s["cache"], None)
+                    mx.eval(out, synthetic.cache_arrays(s["cache"]))
+                return [out[:, -1]]
+
+            def final(s):
+                return synthetic.cache_arrays(s["cache"])
+
+            self._prefill(f"{kind} layer {index} @{length}", length, make, step, final)
+
+    def prefill_kda(self):
+        self._prefill_layer("KDA", self.kda_index)
+
+    def prefill_dsa(self):
+        if self.dsa_index is None:
+            self.results["skipped"].append("prefill_dsa: the model has no DSA layer with an indexer")
+            return
+        self._prefill_layer("DSA", self.dsa_index)

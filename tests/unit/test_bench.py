@@ -64,6 +64,9 @@ def test_json_has_every_figure(run):
             assert len(entry["round_medians"]) == 2 and entry["peak_memory"] > 0
     for length in ("8", "16"):
         assert all(r["prefill"][length]["arms"][a]["tokens_per_s"] > 0 for a in arms)
+        for kind, index in (("KDA", 1), ("DSA", 3)):  # one decoder layer prefilled alone
+            entry = r["prefill"][f"{kind} layer {index} @{length}"]
+            assert entry["length"] == int(length) and all(entry["arms"][a]["tokens_per_s"] > 0 for a in arms)
     for name in ("kda_layer", "kda_attention", "moe_block"):
         assert set(r["layers"][name]["arms"]) == set(arms)
     for name in ("dsa_layer", "dsa_attention", "dsa_indexer"):  # measured at every decode context
@@ -98,6 +101,9 @@ def test_token_check_compares_arms(run):
     assert r["verdicts"]["bench_probe_exact"].startswith("ok")
     wrong = r["correctness"]["bench_probe_wrong"]["decode.96"]
     assert not wrong["outputs_bitwise"] and wrong["max_abs_diff"] > 0
+    assert good["prefill.KDA layer 1 @16"]["final_state_bitwise"]  # the KDA state is compared too
+    assert not r["correctness"]["bench_probe_wrong"]["prefill.KDA layer 1 @16"]["outputs_bitwise"]
+    assert r["correctness"]["bench_probe_wrong"]["prefill.8"]["tokens_match"] is not None
     assert r["verdicts"]["bench_probe_wrong"].startswith("WRONG")
     assert not report.is_valid(r, "bench_probe_wrong") and code == 1
     assert "WRONG" in report.table(r)
@@ -159,3 +165,31 @@ def test_context_caches_match_a_real_prefill():
         shape = lambda x: (x.shape[:2] + x.shape[3:]) if x.ndim == 4 else x.shape  # noqa: E731
         assert [(shape(x), x.dtype) for x in synthetic.cache_arrays(a)] == \
                [(shape(x), x.dtype) for x in synthetic.cache_arrays(b)]
+
+
+def test_numerics_changing_arm_is_reported_with_its_ratio_unless_tokens_differ():
+    def results(tokens_match):
+        check = {"outputs_bitwise": False, "final_state_bitwise": False, "max_abs_diff": 1e-3,
+                 "tokens_match": tokens_match}
+        return {"arms": {"stock": {}, "fast": {"numerics": "changing", "patches": ["x"], "applied": True}},
+                "correctness": {"fast": {"decode.16": check}}}
+
+    same, differ = results(True), results(False)
+    for r in (same, differ):
+        r["verdicts"] = report.verdicts(r)
+    assert same["verdicts"]["fast"].endswith("same greedy tokens") and report.is_valid(same, "fast")
+    assert "differ in decode.16" in differ["verdicts"]["fast"] and not report.is_valid(differ, "fast")
+
+
+def test_all_arm_is_what_glm53_patches_all_turns_on():
+    from glm53_patches.bench import measure
+
+    arms = measure.Arms("stock,all,all+kda_prefill_kernel", lambda message: None)
+    try:
+        everything = registry.available()
+        expected = [n for n, p in everything.items() if registry.covered_by_all(p)]
+        assert arms.sets["all"] == expected and "kda_prefill_kernel" not in expected
+        assert arms.sets["all+kda_prefill_kernel"] == expected + ["kda_prefill_kernel"]
+        assert any(everything[n].numerics == "changing" for n in everything)  # there is something to exclude
+    finally:
+        arms.close()
