@@ -15,6 +15,7 @@ bounds are set from measurements (PATCH.md, "Quality"):
   whose stock top-1 margin exceeds 1e-3 (the measured minimum margin was 9e-4).
 """
 
+import logging
 import os
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ import pytest
 from mlx.utils import tree_map
 
 from glm53_patches import registry
-from glm53_patches.patches.kda_prefill_kernel import PATCH, chunked, mixer
+from glm53_patches.patches.kda_prefill_kernel import PATCH, chunked, cuda, mixer
 from glm53_patches.tiny_model import build_model
 from mlx_vlm.models import gated_delta
 from mlx_vlm.models.cache import ArraysCache
@@ -211,7 +212,7 @@ def test_mixer_batched_padded_and_resumed(patched, dtype):
     second = layer(x[:, split:], two_cache.make_mask(length - split), two_cache)
     two = mx.concatenate([first, second], axis=1)
     hits, fallbacks = counts()
-    assert hits == {"prefill": 3} and not fallbacks
+    assert hits == {"prefill (chunked)": 3} and not fallbacks
 
     assert one.dtype == ref.dtype == two.dtype
     valid = np.array(mx.arange(length)[None] >= mx.array(PADDING)[:, None])
@@ -260,7 +261,7 @@ def test_right_padding_by_lengths(patched):
     assert rel_diff(got, ref, valid) < OUT_TOL[mx.float32]
     assert max_abs(caches[1][1], caches[0][1]) < 1e-5
     assert np.array_equal(bits(caches[1][0]), bits(caches[0][0]))
-    assert counts()[0] == {"prefill": 1}
+    assert counts()[0] == {"prefill (chunked)": 1}
 
 
 def test_decode_and_unhandled_cases_run_stock(patched, monkeypatch):
@@ -309,6 +310,126 @@ def test_chunk_knob(patched, monkeypatch, caplog):
     assert "GLM53_KDA_PREFILL_KERNEL_CHUNK='48' is not valid" in caplog.text
 
 
+# -- the CUDA kernel's dispatch (the kernel itself cannot run on the CPU) ---------
+# Its arithmetic is checked by host_check.py (the body as C++ against float64)
+# and on a GPU by device_check.py; here: the knob, the shape guard, and which
+# path the mixer takes and counts.
+
+METHOD = "GLM53_KDA_PREFILL_KERNEL_METHOD"
+
+
+def test_method_knob_off_cuda(patched, monkeypatch, caplog):
+    """On the CPU, auto and kernel both run the chunked path; a bad value logs once and means auto."""
+    caplog.set_level(logging.INFO, logger=mixer.log.name)
+    layer = make_layer()
+    x = mx.random.normal((1, 30, HIDDEN))
+    ref = STOCK(layer, x)
+    mixer.clear()
+    for value in (None, "auto", "kernel", "KERNEL", "chunked"):
+        if value is None:
+            monkeypatch.delenv(METHOD, raising=False)
+        else:
+            monkeypatch.setenv(METHOD, value)
+        assert mixer.method() == "chunked"
+        assert rel_diff(layer(x), ref) < OUT_TOL[mx.float32]
+    assert counts() == ({"prefill (chunked)": 5}, {})
+    assert caplog.text.count("no CUDA device here, using chunked") == 1  # kernel and KERNEL: logged once
+
+    monkeypatch.setenv(METHOD, "fast")
+    caplog.clear()
+    assert mixer.method() == "chunked" and mixer.method() == "chunked"
+    assert caplog.text.count(f"{METHOD}='fast' is not valid") == 1
+    assert "auto, kernel, chunked" in caplog.text and "using auto" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Pretend the default device is CUDA; the 'kernel' records its calls and runs the chunked path."""
+    calls = []
+
+    def kernel(q, k, v, log_g, beta, state, mask=None, **_):
+        calls.append(q.shape)
+        if cuda.unsupported(q, k, v, log_g, beta, state, mask) is not None:
+            return None
+        return chunked.chunked_gated_delta(q, k, v, log_g, beta, state, mask, chunk=16, sub=16)
+
+    monkeypatch.setattr(cuda, "cuda_available", lambda: True)
+    monkeypatch.setattr(cuda, "kernel_gated_delta", kernel)
+    return calls
+
+
+def test_method_dispatch_on_cuda(patched, fake_cuda, monkeypatch):
+    layer = make_layer()
+    x = mx.random.normal((2, 40, HIDDEN))
+    ref = STOCK(layer, x)
+    for value, kernel_calls in (("auto", 1), ("kernel", 2), ("chunked", 2)):
+        monkeypatch.setenv(METHOD, value)
+        assert mixer.method() == ("chunked" if value == "chunked" else "kernel")
+        assert rel_diff(layer(x), ref) < OUT_TOL[mx.float32]
+        assert len(fake_cuda) == kernel_calls
+    assert counts() == ({"prefill (cuda kernel)": 2, "prefill (chunked)": 1}, {})
+    # speculative history still goes to stock's recurrence, not the kernel
+    PATCH.stats.reset()
+    monkeypatch.setenv(METHOD, "auto")
+    caches = [ArraysCache(2) for _ in range(2)]
+    for cache in caches:
+        STOCK(layer, x[:, :9], None, cache)
+        cache.start_speculation(4)
+    block = mx.random.normal((2, 4, HIDDEN))
+    assert np.array_equal(bits(STOCK(layer, block, None, caches[0])), bits(layer(block, None, caches[1])))
+    assert counts() == ({}, {"speculative history": 1}) and len(fake_cuda) == 2
+
+
+def test_kernel_declines_to_chunked(patched, fake_cuda, monkeypatch):
+    """A shape the kernel does not take (head dim 48) runs chunked, counted as a fallback."""
+    monkeypatch.setenv(METHOD, "kernel")
+    config = TextConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        linear_attn_config={"head_dim": 48, "num_heads": 2, "short_conv_kernel_size": 4, "gate_lower_bound": LB},
+    )
+    layer = Glm5NextLinearAttention(config, layer_idx=0)
+    layer.eval()
+    x = mx.random.normal((1, 20, HIDDEN))
+    assert rel_diff(layer(x), STOCK(layer, x)) < OUT_TOL[mx.float32]
+    reason = "cuda kernel: key dim (multiple of 32 up to 256) (chunked instead)"
+    assert counts() == ({"prefill (chunked)": 1}, {reason: 1}) and len(fake_cuda) == 1
+
+
+def test_kernel_shape_guard():
+    B, T, H, D = 2, 9, 3, 64
+
+    def args(dk=D, dv=D, dtype=mx.float32, with_state=True, with_mask=True, **change):
+        a = dict(
+            q=mx.zeros((B, T, H, dk), dtype), k=mx.zeros((B, T, H, dk), dtype), v=mx.zeros((B, T, H, dv), dtype),
+            log_g=mx.zeros((B, T, H, dk)), beta=mx.zeros((B, T, H)),
+            state=mx.zeros((B, H, dv, dk)) if with_state else None,
+            mask=mx.ones((B, T), mx.bool_) if with_mask else None,
+        )
+        a.update(change)
+        return a
+
+    goods = (args(), args(dk=32, dv=15), args(dk=256, dv=128, dtype=mx.bfloat16))
+    goods += (args(with_state=False, with_mask=False),)
+    for good in goods:
+        assert cuda.unsupported(**good) is None
+        assert cuda.kernel_gated_delta(**good) is None  # not CUDA here: the caller runs chunked
+    bad = {
+        "key dim (multiple of 32 up to 256)": [args(dk=48), args(dk=288), args(dk=16)],
+        "shape": [args(v=mx.zeros((B, T + 1, H, D))), args(beta=mx.zeros((B, T))), args(k=mx.zeros((B, T, H + 1, D)))],
+        "dtype": [args(dtype=mx.int32), args(v=mx.zeros((B, T, H, D), mx.bfloat16))],
+        "state shape": [args(state=mx.zeros((B, H, D, D + 32)))],
+        "mask": [args(mask=mx.ones((1, T), mx.bool_)), args(mask=mx.ones((B, T), mx.int32))],
+        "empty": [args(q=mx.zeros((B, 0, H, D)), k=mx.zeros((B, 0, H, D)), v=mx.zeros((B, 0, H, D)),
+                       log_g=mx.zeros((B, 0, H, D)), beta=mx.zeros((B, 0, H)), mask=None)],
+    }
+    for reason, cases in bad.items():
+        for case in cases:
+            assert cuda.unsupported(**case) == reason, reason
+    assert [cuda.rows_per_warp(dk, dv) for dk, dv in ((128, 128), (256, 128), (64, 30), (128, 15))] == [4, 2, 2, 1]
+
+
 def test_composes_with_compiled_kda_decode():
     """Either order: decode goes to compiled_kda_decode, prefill to this patch."""
     from glm53_patches.patches.compiled_kda_decode import step
@@ -325,7 +446,7 @@ def test_composes_with_compiled_kda_decode():
             ref = STOCK(layer, token, None, caches[0])
             got = call(layer, token, None, caches[1])
             assert rel_diff(got, ref) < OUT_TOL[mx.float32]
-        assert PATCH.stats.snapshot()["hits"] == {"prefill": 2}
+        assert PATCH.stats.snapshot()["hits"] == {"prefill (chunked)": 2}
     finally:
         step.clear()
 
@@ -348,7 +469,7 @@ def test_tiny_model_teacher_forced_quality(patched):
     for arm, call in (("stock", stock), ("fast", Glm5NextLinearAttention.__call__)):
         Glm5NextLinearAttention.__call__ = call
         logits[arm] = f64(lm(tokens, cache=lm.make_cache()).logits)
-    assert counts()[0] == {"prefill": 5}  # every KDA layer of the tiny model
+    assert counts()[0] == {"prefill (chunked)": 5}  # every KDA layer of the tiny model
     ref, got = logits["stock"], logits["fast"]
     p, q = log_softmax(ref), log_softmax(got)
     kl = (np.exp(p) * (p - q)).sum(-1)
@@ -367,7 +488,7 @@ def test_through_the_registry():
         layer = make_layer()
         x = mx.random.normal((1, 24, HIDDEN))
         assert rel_diff(layer(x), STOCK(layer, x)) < OUT_TOL[mx.float32]
-        assert counts()[0] == {"prefill": 1}
+        assert counts()[0] == {"prefill (chunked)": 1}
     finally:
         registry.revert([NAME])
     assert Glm5NextLinearAttention.__dict__["__call__"] is STOCK

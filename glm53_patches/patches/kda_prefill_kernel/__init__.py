@@ -1,10 +1,10 @@
-"""kda_prefill_kernel: chunked (WY/UT-transform) KDA prefill off Metal.
+"""kda_prefill_kernel: KDA prefill off Metal in one CUDA kernel, or chunked.
 
 Stock KDA prefill on CPU and CUDA loops over tokens (``gated_delta_ops``);
-this runs the same gated delta rule chunk by chunk with matmuls. The
-implementation lives in ``chunked.py`` (math) and ``mixer.py`` (the mixer
-wrapper) and is imported on first use, so discovering this plugin imports
-neither mlx nor mlx-vlm.
+this runs the same gated delta rule in one kernel launch on CUDA
+(``cuda.py``) and chunk by chunk with matmuls elsewhere (``chunked.py``).
+``mixer.py`` is the mixer wrapper. All are imported on first use, so
+discovering this plugin imports neither mlx nor mlx-vlm.
 """
 
 from glm53_patches.hookspecs import hookimpl
@@ -19,8 +19,9 @@ PATCH = Patch(
     name=NAME,
     summary=(
         "Prefill (length > 1) of Glm5NextLinearAttention (KDA) off Metal runs the "
-        "gated delta rule in chunks of C tokens with matmuls (WY/UT transform) "
-        "instead of stock's per-token loop; float32 like stock, not bit-identical."
+        "gated delta rule in one kernel launch on CUDA, and in chunks of C tokens "
+        "with matmuls (WY/UT transform) on the CPU, instead of stock's per-token "
+        "loop; float32 like stock, not bit-identical."
     ),
     targets={f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__": lazy(f"{__name__}.mixer", "make_call")},
     relies_on=(

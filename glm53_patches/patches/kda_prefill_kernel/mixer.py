@@ -3,7 +3,9 @@
 ``Glm5NextLinearAttention.__call__`` is replaced by a wrapper that, for
 prefill (length > 1) off Metal, runs the stock mixer body op for op and only
 swaps its ``gated_delta_update`` call (stock: a per-token loop of compiled
-steps) for ``chunked.chunked_gated_delta``. Everything else (decode, Metal,
+steps) for ``chunked.chunked_gated_delta`` or, on CUDA,
+``cuda.kernel_gated_delta`` (one launch for the whole prompt; chosen by
+GLM53_KDA_PREFILL_KERNEL_METHOD, see ``method``). Everything else (decode, Metal,
 training, speculative history, a mask that is not bool, no gate bound, a
 replaced helper) goes to the object it wraps: stock, or another patch such as
 compiled_kda_decode, which handles length 1 and passes prefill on.
@@ -23,7 +25,7 @@ from mlx_vlm.models.glm5_next import language as _lang
 
 from glm53_patches import config
 
-from . import NAME, PATCH
+from . import NAME, PATCH, cuda
 from .chunked import chunked_gated_delta, log_gate, sub_block
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ stats = PATCH.stats
 
 DEFAULT_CHUNK = 16  # fastest measured on a 2-core CPU; a GPU likely wants 64
 _CHUNKS = (16, 32, 64, 128)
+_METHODS = ("auto", "kernel", "chunked")
 _logged = set()
 
 
@@ -48,6 +51,34 @@ def chunk_size():
         _logged.add(error)
         log.error(f"{error}; using {DEFAULT_CHUNK}")
     return chunk
+
+
+def _parse_method(value):
+    method = value.strip().lower()
+    if method not in _METHODS:
+        raise ValueError(f"accepted: {', '.join(_METHODS)}")
+    return method
+
+
+def _log_once(level, message):
+    if message not in _logged:
+        _logged.add(message)
+        log.log(level, message)
+
+
+def method():
+    """GLM53_KDA_PREFILL_KERNEL_METHOD resolved for this backend: "kernel" or "chunked".
+
+    auto: the CUDA kernel on CUDA, chunked elsewhere; kernel off CUDA: chunked
+    (logged once); an invalid value: logged once, auto.
+    """
+    choice, error = config.knob(NAME, "method", _parse_method, "auto")
+    if error:
+        _log_once(logging.ERROR, f"{error}; using auto")
+    on_cuda = cuda.cuda_available()
+    if choice == "kernel" and not on_cuda:
+        _log_once(logging.INFO, "GLM53_KDA_PREFILL_KERNEL_METHOD=kernel: no CUDA device here, using chunked")
+    return "kernel" if on_cuda and choice != "chunked" else "chunked"
 
 
 def _why_not(attn, x, mask):
@@ -77,12 +108,17 @@ def _recurrence(q, k, v, a, b, A_log, dt_bias, lower_bound, mask, state, steps):
             q, k, v, a, b, A_log, dt_bias, state=state, mask=mask,
             lower_bound=lower_bound, state_steps=steps,
         )
-    stats.hit("prefill")
+    log_g, beta = log_gate(A_log, a, dt_bias, lower_bound), mx.sigmoid(b)
+    if method() == "kernel":
+        result = cuda.kernel_gated_delta(q, k, v, log_g, beta, state, mask)
+        if result is not None:
+            stats.hit("prefill (cuda kernel)")
+            return result
+        reason = cuda.unsupported(q, k, v, log_g, beta, state, mask) or "no CUDA"
+        stats.fallback(f"cuda kernel: {reason} (chunked instead)")
+    stats.hit("prefill (chunked)")
     chunk = chunk_size()
-    return chunked_gated_delta(
-        q, k, v, log_gate(A_log, a, dt_bias, lower_bound), mx.sigmoid(b), state, mask,
-        chunk=chunk, sub=sub_block(chunk, lower_bound),
-    )
+    return chunked_gated_delta(q, k, v, log_g, beta, state, mask, chunk=chunk, sub=sub_block(chunk, lower_bound))
 
 
 def prefill(self, x, mask=None, cache=None):
@@ -121,7 +157,7 @@ def prefill(self, x, mask=None, cache=None):
 
 
 def prefill_call(self, x, mask=None, cache=None):
-    """``self(x, mask, cache)`` with the chunked recurrence; None, having touched nothing, elsewhere."""
+    """``self(x, mask, cache)`` with the chunked or kernel recurrence; None, having touched nothing, elsewhere."""
     reason = _why_not(self, x, mask)
     if reason is not None:
         stats.fallback(reason)
@@ -142,3 +178,4 @@ def make_call(original):
 
 def clear():
     _logged.clear()
+    cuda.clear()
