@@ -52,8 +52,13 @@ def kernel_order_scores(q, keys, ws):
     Per head: ``dot = fma(q[d], k[d], dot)`` for d in order; lane ``i`` holds
     ``fma(relu(dot_h), ws_h, partial)`` over heads i, i + 32, ...; lanes are
     summed by the CUDA xor butterfly (Metal's ``simd_sum`` order is the
-    hardware's; the butterfly stands in for it).
+    hardware's; the butterfly stands in for it). Runs on the CPU: GPUs have no float64.
     """
+    with mx.stream(mx.cpu):
+        return _kernel_order_scores(q, keys, ws)
+
+
+def _kernel_order_scores(q, keys, ws):
     batch, length, heads, dim = q.shape
     pools = keys.shape[1]
     qf, kf = q.astype(F32), keys.astype(F32)
