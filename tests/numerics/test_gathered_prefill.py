@@ -128,7 +128,8 @@ def test_short_context_runs_stock(patched, monkeypatch):
 
 
 def test_defaults():
-    assert attention.min_context() == attention.DEFAULT_MIN_CONTEXT
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    assert attention.min_context() == attention.default_min_context() == (2**62 if on_cuda else 0)
     assert attention.MAX_ELEMENTS == 2**31 - 1
     on_gpu = mx.default_device() == mx.gpu
     assert attention.element_budget() == (attention.MAX_ELEMENTS if on_gpu else attention.CPU_ELEMENTS)

@@ -17,7 +17,7 @@ REPLACE = {
     "min_context": '''
 def min_context():
     """MLX_VLM_GLM5_GATHERED_PREFILL_MIN_CONTEXT: keys below which stock runs (read per call)."""
-    return int(os.environ.get("MLX_VLM_GLM5_GATHERED_PREFILL_MIN_CONTEXT", DEFAULT_MIN_CONTEXT))
+    return int(os.environ.get("MLX_VLM_GLM5_GATHERED_PREFILL_MIN_CONTEXT", default_min_context()))
 ''',
     "element_budget": '''
 def element_budget():
