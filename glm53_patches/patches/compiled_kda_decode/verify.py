@@ -5,6 +5,9 @@ Metal or CUDA source on GPUs), so exactness is a property of the backend:
 math mode, FMA contraction and constant printing all live there. This runs
 stock and patched decode side by side on one small KDA layer per case and
 compares output, conv window and recurrent state bit for bit at every step.
+Each case also runs stock twice: where stock differs from itself (seen on
+CUDA with MLX 0.32.4, fp32 4-bit weights at batch 3), the comparison proves
+nothing, and the case is reported as inconclusive rather than as a failure.
 """
 
 import mlx.core as mx
@@ -38,9 +41,34 @@ def _bits(a):
     return a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize])
 
 
-def verify():
+def check_case(stock, fast, dtype, bits, padding, seed):
+    """One case: {"patch": first mismatch, "control": first stock-vs-stock difference, "worst": max |d|}."""
     from mlx_vlm.models.cache import ArraysCache
 
+    layer = _layer(dtype, bits, seed=seed)
+    batch = 1 if padding is None else len(padding)
+    # stock, stock again (the control: is stock itself repeatable here?), patched
+    caches = [ArraysCache(2, left_padding=padding) for _ in range(3)]
+    prompt = mx.random.normal((batch, 5, 256)).astype(dtype)
+    for cache in caches:
+        stock(layer, prompt, cache.make_mask(5), cache)
+    found = {"worst": 0.0}
+    for step in range(STEPS):
+        x = mx.random.normal((batch, 1, 256)).astype(dtype)
+        a = stock(layer, x, caches[0].make_mask(1), caches[0])
+        again = stock(layer, x, caches[1].make_mask(1), caches[1])
+        b = fast(layer, x, caches[2].make_mask(1), caches[2])
+        for what, ref, other, got in (("output", a, again, b), ("conv", caches[0][0], caches[1][0], caches[2][0]),
+                                      ("state", caches[0][1], caches[1][1], caches[2][1])):
+            if "control" not in found and not mx.array_equal(_bits(ref), _bits(other)).item():
+                found["control"] = f"stock run twice differs in {what} at step {step}"
+            if not mx.array_equal(_bits(ref), _bits(got)).item():
+                found["worst"] = max(found["worst"], mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item())
+                found.setdefault("patch", f"{what} at step {step}")
+    return found
+
+
+def verify():
     from glm53_patches import registry
 
     from . import PATCH
@@ -52,35 +80,18 @@ def verify():
     for dtype in (mx.float32, mx.bfloat16):
         for bits in (None, 4):
             for padding in (None, [0, 2, 7]):
-                layer = _layer(dtype, bits, seed=cases)
-                batch = 1 if padding is None else len(padding)
                 name = f"{dtype} bits={bits} pad={padding}"
-                # stock, stock again (the control: is stock itself repeatable here?), patched
-                caches = [ArraysCache(2, left_padding=padding) for _ in range(3)]
-                prompt = mx.random.normal((batch, 5, 256)).astype(dtype)
-                for cache in caches:
-                    stock(layer, prompt, cache.make_mask(5), cache)
-                first = {}
-                for step in range(STEPS):
-                    x = mx.random.normal((batch, 1, 256)).astype(dtype)
-                    a = stock(layer, x, caches[0].make_mask(1), caches[0])
-                    again = stock(layer, x, caches[1].make_mask(1), caches[1])
-                    b = fast(layer, x, caches[2].make_mask(1), caches[2])
-                    for what, ref, other, got in (("output", a, again, b), ("conv", caches[0][0], caches[1][0], caches[2][0]),
-                                                  ("state", caches[0][1], caches[1][1], caches[2][1])):
-                        if "control" not in first and not mx.array_equal(_bits(ref), _bits(other)).item():
-                            first["control"] = f"{name}: stock run twice differs in {what} at step {step}"
-                        if not mx.array_equal(_bits(ref), _bits(got)).item():
-                            worst = max(worst, mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item())
-                            first.setdefault("patch", f"{name}: {what} at step {step}")
-                if "patch" in first:
-                    failures.append(first["patch"])
-                if "control" in first:
-                    unstable.append(first["control"])
+                found = check_case(stock, fast, dtype, bits, padding, seed=cases)
+                if "control" in found:  # stock differs from itself: a comparison proves nothing
+                    unstable.append(f"{name}: {found['control']}")
+                elif "patch" in found:
+                    failures.append(f"{name}: {found['patch']}")
+                    worst = max(worst, found["worst"])
                 cases += 1
     detail = f"{STEPS} decode steps per case (fp32/bf16 x dense/4-bit x batch 1/batch 3 masked)"
     if failures:
         detail += f"; {len(failures)} case(s) differ, first mismatch each: " + "; ".join(failures)
-    if unstable:
-        detail += "; NOTE stock is not repeatable on this backend: " + "; ".join(unstable)
-    return {"exact": not failures, "max_abs_diff": worst, "cases": cases, "detail": detail}
+    if unstable:  # seen on CUDA (MLX 0.32.4): fp32 4-bit, batch 3
+        detail += f"; {len(unstable)} case(s) inconclusive, stock not repeatable here: " + "; ".join(unstable)
+    exact = not failures and len(unstable) < cases  # at least one case must have been comparable
+    return {"exact": exact, "max_abs_diff": worst, "cases": cases, "detail": detail}
