@@ -185,7 +185,9 @@ def test_upstream_module_is_the_plugin_module(name, releases):
         plugin_imports = set()
         for base, imported, alias in _imports(plugin_tree, module):
             if f"{base}.{imported}" in new_names:  # `from . import step`: another mapped module
+                local = alias or imported  # upstream keeps the local name: `import kda_cuda as cuda`
                 base, imported = new_names[f"{base}.{imported}"].rpartition(".")[::2]
+                alias = local if local != imported else None
             plugin_imports.add((new_names.get(base, base), imported, alias))
         plugin_imports = {i for i in plugin_imports if not i[0].startswith("glm53_patches")}
         # An import the plugin used and upstream no longer does (left by the drops) goes.

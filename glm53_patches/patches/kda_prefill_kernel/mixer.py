@@ -1,4 +1,4 @@
-"""KDA mixer prefill with the chunked gated delta rule.
+"""KDA mixer prefill with the gated delta rule in one CUDA kernel, or chunked.
 
 ``Glm5NextLinearAttention.__call__`` is replaced by a wrapper that, for
 prefill (length > 1) off Metal, runs the stock mixer body op for op and only
@@ -25,7 +25,8 @@ from mlx_vlm.models.glm5_next import language as _lang
 
 from glm53_patches import config
 
-from . import NAME, PATCH, cuda
+from . import NAME, PATCH
+from . import cuda
 from .chunked import chunked_gated_delta, log_gate, sub_block
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Pure data, no imports. The upstream modules are generated from ``mixer.py``
 and ``chunked.py`` themselves (see ``glm53_patches/stage/source.py``).
 """
 
-TITLE = "glm5_next: chunked KDA prefill off Metal (MLX_VLM_GLM5_KDA_PREFILL_CHUNKED)"
+TITLE = "glm5_next: KDA prefill off Metal in one CUDA kernel, or chunked (MLX_VLM_GLM5_KDA_PREFILL_CHUNKED)"
 
 SWITCH = "MLX_VLM_GLM5_KDA_PREFILL_CHUNKED"
 
@@ -12,9 +12,10 @@ SWITCH = "MLX_VLM_GLM5_KDA_PREFILL_CHUNKED"
 MODULES = {
     "mixer": "mlx_vlm/models/glm5_next/kda_prefill.py",
     "chunked": "mlx_vlm/models/glm5_next/kda_chunked.py",
+    "cuda": "mlx_vlm/models/glm5_next/kda_cuda.py",
 }
 
-PLUGIN_ONLY = ("log", "_logged", "_parse_chunk", "make_call", "clear")
+PLUGIN_ONLY = ("log", "_logged", "_parse_chunk", "_parse_method", "_log_once", "make_call", "clear")
 
 REPLACE = {
     "chunk_size": '''
@@ -23,13 +24,22 @@ def chunk_size():
     chunk = int(os.environ.get("MLX_VLM_GLM5_KDA_PREFILL_CHUNK", DEFAULT_CHUNK))
     return chunk if chunk in _CHUNKS else DEFAULT_CHUNK
 ''',
+    "method": '''
+def method():
+    """MLX_VLM_GLM5_KDA_PREFILL_METHOD: auto (the CUDA kernel on CUDA, chunked elsewhere), kernel or chunked."""
+    choice = os.environ.get("MLX_VLM_GLM5_KDA_PREFILL_METHOD", "auto").strip().lower()
+    return "kernel" if cuda.cuda_available() and choice != "chunked" else "chunked"
+''',
 }
 
 # The module docstring speaks of the plugin's wrapper; upstream, __call__ asks first.
 TEXT = {
     "``Glm5NextLinearAttention.__call__`` is replaced by a wrapper that, for\n":
         "``Glm5NextLinearAttention.__call__`` first calls ``prefill_call``, which, for\n",
-    "for ``chunked.chunked_gated_delta``.": "for ``kda_chunked.chunked_gated_delta``.",
+    "``chunked.chunked_gated_delta``": "``kda_chunked.chunked_gated_delta``",
+    "``cuda.kernel_gated_delta``": "``kda_cuda.kernel_gated_delta``",
+    "GLM53_KDA_PREFILL_KERNEL_METHOD": "MLX_VLM_GLM5_KDA_PREFILL_METHOD",
+    "glm53_kda_prefill": "glm5_next_kda_prefill",
     "replaced helper) goes to the object it wraps: stock, or another patch such as\n"
     "compiled_kda_decode, which handles length 1 and passes prefill on.\n"
     "\n"
