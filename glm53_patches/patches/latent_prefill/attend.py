@@ -39,7 +39,12 @@ def _why_not(self, q, kv_cache, latent):
 
 
 def prefill_attend(self, q, latent, topk, kv_cache, last_only=False):
-    """Attention output [B, L, H * v_head_dim] and topk, as stock ``_attend`` returns them."""
+    """``self._attend(...)`` for a prefill chunk: (output [B, L, H * v_head_dim], topk)
+    as stock returns them; None, having touched nothing, where stock must run."""
+    reason = _why_not(self, q, kv_cache, latent)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
     if last_only:
         q, topk = q[:, :, -1:], topk[:, -1:]
     batch, heads, length, _ = q.shape
@@ -63,6 +68,7 @@ def prefill_attend(self, q, latent, topk, kv_cache, last_only=False):
         )
         output = self.unembed_out(output)  # [B * Q, H, 1, v_head_dim]
         outputs.append(output.reshape(batch, rows_in_block, -1))
+    stats.hit("prefill")
     return mx.concatenate(outputs, axis=1), topk
 
 
@@ -71,11 +77,9 @@ def make_attend(original):
 
     @functools.wraps(original)
     def _attend(self, q, latent, new_latent, topk, kv_cache, projected_cache, last_only=False):
-        reason = _why_not(self, q, kv_cache, latent)
-        if reason is not None:
-            stats.fallback(reason)
+        result = prefill_attend(self, q, latent, topk, kv_cache, last_only)
+        if result is None:
             return original(self, q, latent, new_latent, topk, kv_cache, projected_cache, last_only)
-        stats.hit("prefill")
-        return prefill_attend(self, q, latent, topk, kv_cache, last_only)
+        return result
 
     return _attend
