@@ -1,52 +1,30 @@
 #!/usr/bin/env bash
 # One H200 session's measurements, in priority order, inside a wall-clock budget.
-# Started detached (setsid) by the first measuring call; later calls only collect
-# /root/res. Assumes the MLX CUDA wheel, mlx-vlm and this package are installed in
+# Started detached (setsid) by the first measuring call (copy the whole device/
+# folder: it sources stages.sh); later calls only collect /root/res. Assumes the MLX CUDA wheel, mlx-vlm and this package are installed in
 # /root/site (see BENCHMARKS.md). Usage: h200-session.sh BUDGET_SECONDS
 # A dry run on a CPU: ROOT=/tmp/dry EXTRA="--small" SITE=  device/h200-session.sh 300
-set -u
 BUDGET=${1:-1300}
-START=$(date +%s)
-ROOT=${ROOT:-/root}
-EXTRA=${EXTRA:-}
-RES=$ROOT/res
-mkdir -p $RES $ROOT/state $ROOT/warm
-export PYTHONPATH=${SITE-/root/site} PYTHONUNBUFFERED=1 GLM53_PATCHES_STATE_DIR=$ROOT/state
+. "$(dirname "$0")/stages.sh"
 export GLM53_INDEXER_FP32_KERNEL=1  # indexer_fp32 arms run its CUDA kernel (checked by quality --kernel)
-PY="python3 -X faulthandler"
-B="$PY -m glm53_patches.bench $EXTRA"
-
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-stage() {  # stage NAME SECONDS COMMAND...: runs if time is left, bounded by its own limit
-  local name=$1 limit=$2; shift 2
-  local l=$(left)
-  if (( l < 30 )); then echo "$(date +%T) skip $name (budget spent)" >> $RES/stages.txt; return; fi
-  (( limit > l )) && limit=$l
-  echo "$(date +%T) start $name (limit ${limit}s)" >> $RES/stages.txt
-  timeout -k 5 $limit "$@" > $RES/$name.log 2>&1
-  local rc=$?
-  echo "$(date +%T) end $name rc=$rc after $(( $(date +%s) - START ))s" >> $RES/stages.txt
-}
 
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv; python3 --version; } > $RES/machine.txt 2>&1
 
 # 1. Untimed, in parallel: exactness checks, quality gates, and kernel compilation
 #    warm-ups (one PTX cache each, merged after: NVRTC is single-threaded per process).
-W="--rounds 1 --steps 1 --warmup 0 --check-steps 1 --no-png --quiet --budget-s 400"
-par() { local name=$1; shift; ( export MLX_PTX_CACHE_DIR=$ROOT/ptx-$name; stage "$name" 300 "$@" ) & }
-par verify $PY -m glm53_patches.cli verify compiled_kda_decode dsa_decode gathered_prefill hc_decode
-par indexer_quality $PY -m glm53_patches.patches.indexer_fp32.quality --kernel
-par kda_device_check $PY -m glm53_patches.patches.kda_prefill_kernel.device_check --out $RES/kda_device_check.json
-par warm_step env GLM53_HC_DECODE_KERNEL=1 $B --experts 8 --sections decode --contexts 256 $W \
+W="$W --budget-s 280"
+par verify 300 $PY -m glm53_patches.cli verify compiled_kda_decode dsa_decode gathered_prefill hc_decode
+par indexer_quality 300 $PY -m glm53_patches.patches.indexer_fp32.quality --kernel
+par kda_device_check 300 $PY -m glm53_patches.patches.kda_prefill_kernel.device_check --out $RES/kda_device_check.json
+par warm_step 300 env GLM53_HC_DECODE_KERNEL=1 $B --experts 8 --sections decode --contexts 256 $W \
   --arms stock,compiled_kda_decode,hc_decode,dsa_decode,all --out $ROOT/warm/step.json
-par warm_layers $B --layers 5 --experts 8 --sections kda,moe,dsa,prefill_kda,prefill_dsa --contexts 4096 \
+par warm_layers 300 $B --layers 5 --experts 8 --sections kda,moe,dsa,prefill_kda,prefill_dsa --contexts 4096 \
   --prefill 2048 $W --arms stock,compiled_kda_decode,hc_decode,dsa_decode,gathered_prefill,kda_prefill_kernel,indexer_fp32 \
   --out $ROOT/warm/layers.json
-par warm_prefill $B --experts 8 --sections prefill --prefill 2048 $W --arms stock,all+kda_prefill_kernel \
+par warm_prefill 300 $B --experts 8 --sections prefill --prefill 2048 $W --arms stock,all+kda_prefill_kernel \
   --out $ROOT/warm/prefill.json
 wait
-mkdir -p $ROOT/ptx && for d in $ROOT/ptx-*; do cp -rn "$d"/. $ROOT/ptx/ 2>/dev/null; done
-export MLX_PTX_CACHE_DIR=$ROOT/ptx
+merge_ptx
 $PY -m glm53_patches.cli status > $RES/status.txt 2>&1
 du -sh $ROOT/ptx >> $RES/machine.txt
 

@@ -1,0 +1,37 @@
+# Sourced by the H200 session scripts: paths, environment, and `stage`, `par` and
+# `merge_ptx`, which run measurements inside the wall-clock budget BUDGET (seconds).
+# ROOT (default /root), EXTRA (extra bench options, e.g. --small for a CPU dry
+# run) and SITE (PYTHONPATH; default /root/site) may be set by the caller.
+set -u
+START=$(date +%s)
+ROOT=${ROOT:-/root}
+EXTRA=${EXTRA:-}
+RES=$ROOT/res
+mkdir -p $RES $ROOT/state $ROOT/warm
+export PYTHONPATH=${SITE-/root/site} PYTHONUNBUFFERED=1 GLM53_PATCHES_STATE_DIR=$ROOT/state
+PY="python3 -X faulthandler"
+B="$PY -m glm53_patches.bench $EXTRA"
+W="--rounds 1 --steps 1 --warmup 0 --check-steps 1 --no-png --quiet"  # a warm-up run: compiles, times nothing
+
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+stage() {  # stage NAME SECONDS COMMAND...: runs if time is left, bounded by its own limit
+  local name=$1 limit=$2; shift 2
+  local l=$(left)
+  if (( l < 30 )); then echo "$(date +%T) skip $name (budget spent)" >> $RES/stages.txt; return; fi
+  (( limit > l )) && limit=$l
+  echo "$(date +%T) start $name (limit ${limit}s)" >> $RES/stages.txt
+  timeout -k 5 $limit "$@" > $RES/$name.log 2>&1
+  local rc=$?
+  echo "$(date +%T) end $name rc=$rc after $(( $(date +%s) - START ))s" >> $RES/stages.txt
+}
+
+par() {  # par NAME SECONDS COMMAND...: a stage in the background, with its own kernel cache
+  local name=$1; shift
+  ( export MLX_PTX_CACHE_DIR=$ROOT/ptx-$name; stage "$name" "$@" ) &
+}
+
+merge_ptx() {  # after `wait`: one kernel cache from the parallel ones, for the timed runs
+  mkdir -p $ROOT/ptx && for d in $ROOT/ptx-*; do cp -rn "$d"/. $ROOT/ptx/ 2>/dev/null; done
+  export MLX_PTX_CACHE_DIR=$ROOT/ptx
+}
