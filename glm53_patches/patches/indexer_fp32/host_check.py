@@ -24,58 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from glm53_patches.kernels.host_emulation import PRELUDE
+
 from . import kernels
-
-PRELUDE = r"""
-#include <barrier>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <thread>
-#include <vector>
-
-struct dim3_ { unsigned x, y, z; };
-thread_local dim3_ blockIdx, blockDim, threadIdx;
-static std::barrier<>* warp_barrier;
-static float exchange[32];
-
-struct bf16 {  // bfloat16 stored as its 16 bits; widened exactly to float
-  uint16_t bits;
-  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
-using __nv_bfloat16 = bf16;
-using bfloat16_t = bf16;
-
-// CUDA device functions, with the semantics the kernel relies on.
-float __fmaf_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-float __shfl_xor_sync(unsigned, float v, int offset) {
-  unsigned lane = threadIdx.x % 32;
-  exchange[lane] = v;
-  warp_barrier->arrive_and_wait();
-  float other = exchange[lane ^ offset];
-  warp_barrier->arrive_and_wait();
-  return other;
-}
-// Metal.
-#define device
-#define constant
-typedef unsigned long ulong;
-typedef unsigned int uint;
-struct uint3 { uint x, y, z; };
-namespace metal {
-inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-inline float simd_sum(float v) {
-  unsigned lane = threadIdx.x % 32;
-  exchange[lane] = v;
-  warp_barrier->arrive_and_wait();
-  float s = 0.0f;
-  for (int i = 0; i < 32; ++i) s += exchange[i];
-  warp_barrier->arrive_and_wait();
-  return s;
-}
-}
-"""
 
 PROGRAM = r"""
 template <typename T, int H, int D, bool HAS_MASK>
@@ -87,15 +38,6 @@ template <typename T, int H, int D, bool HAS_MASK>
 void metal_body(const T* q, const T* keys, const float* ws, const bool* candidates, const int64_t* sizes, float* out,
                 uint3 thread_position_in_grid, uint thread_index_in_simdgroup) {
 %(metal)s
-}
-
-template <typename T>
-std::vector<T> load(const char* path, size_t n) {
-  std::vector<T> v(n);
-  FILE* f = std::fopen(path, "rb");
-  if (!f || std::fread(v.data(), sizeof(T), n, f) != n) { std::fprintf(stderr, "read %%s\n", path); std::exit(2); }
-  std::fclose(f);
-  return v;
 }
 
 int main(int argc, char** argv) {

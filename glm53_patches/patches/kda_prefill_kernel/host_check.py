@@ -13,9 +13,6 @@ caught by a timeout). The 32 lane threads walk the warps in order (the body
 has no block-level synchronisation, so warps are independent). Outputs are
 compared with a float64 numpy recurrence.
 
-The prelude is this file's own rather than indexer_fp32's: that one's bf16
-stub cannot be constructed from a float (this kernel writes bf16 outputs).
-
 What it checks: index arithmetic (batch, token, head, dv row, the lane's key
 columns), the one-token-ahead prefetch, the warp reductions, the mask (masked
 tokens output 0, state untouched), a nonzero initial state, general Dk (a
@@ -45,57 +42,15 @@ from pathlib import Path
 
 import numpy as np
 
+from glm53_patches.kernels.host_emulation import PRELUDE
+
 from . import cuda
-
-PRELUDE = r"""
-#include <barrier>
-#include <cmath>  // ::expf, as CUDA's float expf
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <thread>
-#include <vector>
-
-struct dim3_ { unsigned x, y, z; };
-thread_local dim3_ blockIdx, blockDim, threadIdx;
-static std::barrier<>* warp_barrier;
-static float exchange[32];
-
-struct bf16 {  // bfloat16 as its 16 bits: widened exactly, narrowed to nearest even
-  uint16_t bits;
-  bf16() = default;
-  explicit bf16(float f) {
-    uint32_t u; std::memcpy(&u, &f, 4);
-    bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
-
-float __shfl_xor_sync(unsigned, float v, int offset) {
-  unsigned lane = threadIdx.x % 32;
-  exchange[lane] = v;
-  warp_barrier->arrive_and_wait();
-  float other = exchange[lane ^ offset];
-  warp_barrier->arrive_and_wait();
-  return other;
-}
-"""
 
 PROGRAM = r"""
 template <typename InT, int H, int Dk, int Dv, int RPW, bool HAS_MASK>
 void body(const InT* q, const InT* k, const InT* v, const float* g, const float* beta, const float* state_in,
           const bool* mask, const int64_t* sizes, InT* y, float* state_out) {
 %(cuda)s
-}
-
-template <typename X>
-std::vector<X> load(const char* path, size_t n) {
-  std::vector<X> a(n);
-  FILE* f = std::fopen(path, "rb");
-  if (!f || std::fread(a.data(), sizeof(X), n, f) != n) { std::fprintf(stderr, "read %%s\n", path); std::exit(2); }
-  std::fclose(f);
-  return a;
 }
 
 int main(int argc, char** argv) {

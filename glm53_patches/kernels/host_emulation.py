@@ -1,0 +1,75 @@
+"""C++ stand-ins for GPU built-ins, so a kernel body can run on the host with g++.
+
+Used by the patches' ``host_check.py`` programs, which paste a CUDA or Metal
+kernel body, unchanged, into a C++ function and run every warp (simdgroup) as
+32 host threads. ``__shfl_xor_sync`` and ``simd_sum`` exchange real values
+through a barrier, so a lane missing from a shuffle hangs (the callers time
+out). bf16 is its 16-bit pattern: widened exactly to float, narrowed to
+nearest even. ``load<T>(path, n)`` reads an input the Python side wrote.
+"""
+
+PRELUDE = r"""
+#include <barrier>
+#include <cmath>  // ::expf, as CUDA's float expf
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+struct dim3_ { unsigned x, y, z; };
+thread_local dim3_ blockIdx, blockDim, threadIdx;
+static std::barrier<>* warp_barrier;
+static float exchange[32];
+
+struct bf16 {  // bfloat16 as its 16 bits: widened exactly, narrowed to nearest even
+  uint16_t bits;
+  bf16() = default;
+  explicit bf16(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+using __nv_bfloat16 = bf16;
+using bfloat16_t = bf16;
+
+// CUDA device functions, with the semantics the kernels rely on.
+float __fmaf_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+float __shfl_xor_sync(unsigned, float v, int offset) {
+  unsigned lane = threadIdx.x % 32;
+  exchange[lane] = v;
+  warp_barrier->arrive_and_wait();
+  float other = exchange[lane ^ offset];
+  warp_barrier->arrive_and_wait();
+  return other;
+}
+// Metal.
+#define device
+#define constant
+typedef unsigned long ulong;
+typedef unsigned int uint;
+struct uint3 { uint x, y, z; };
+namespace metal {
+inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline float simd_sum(float v) {
+  unsigned lane = threadIdx.x % 32;
+  exchange[lane] = v;
+  warp_barrier->arrive_and_wait();
+  float s = 0.0f;
+  for (int i = 0; i < 32; ++i) s += exchange[i];
+  warp_barrier->arrive_and_wait();
+  return s;
+}
+}
+
+template <typename X>
+std::vector<X> load(const char* path, size_t n) {
+  std::vector<X> a(n);
+  FILE* f = std::fopen(path, "rb");
+  if (!f || std::fread(a.data(), sizeof(X), n, f) != n) { std::fprintf(stderr, "read %s\n", path); std::exit(2); }
+  std::fclose(f);
+  return a;
+}
+"""
