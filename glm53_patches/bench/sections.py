@@ -239,12 +239,16 @@ class Bench:
         from mlx_vlm.models.base import create_ssm_mask
 
         model, layer, c = self.model, self.model.model.layers[index], self.config
+
+        def make():
+            return {"cache": model.make_cache()[index]}
+
+        def final(s):
+            return synthetic.cache_arrays(s["cache"])
+
         for length in self._lengths(f"prefill {kind} layer"):
             x = mx.random.normal((1, length, c.hc_mult, c.hidden_size), key=mx.random.key(length)).astype(self.dtype)
             mx.eval(x)
-
-            def make():
-                return {"cache": model.make_cache()[index]}
 
             def step(s, i, x=x):
                 out = None
@@ -254,9 +258,6 @@ class Bench:
                     out, _ = layer(h, mask, s["cache"], None)
                     mx.eval(out, synthetic.cache_arrays(s["cache"]))
                 return [out[:, -1]]
-
-            def final(s):
-                return synthetic.cache_arrays(s["cache"])
 
             self._prefill(f"{kind} layer {index} @{length}", length, make, step, final)
 
