@@ -68,3 +68,45 @@ class Tally:
             "cases": self.cases,
             "detail": detail,
         }
+
+
+def _served_dtype(model, dtype):
+    """The model's floats in ``dtype``, except the router's weight and bias, which glm5_next keeps fp32."""
+    model.set_dtype(dtype)
+    for layer in model.language_model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.weight = gate.weight.astype(mx.float32)
+            gate.e_score_correction_bias = gate.e_score_correction_bias.astype(mx.float32)
+    return model
+
+
+def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16):
+    """Greedy decode of the tiny model with ``owner.attr`` = ``stock`` vs ``patched`` (inside ``forcing()``).
+
+    Models: fp32; 4-bit on the CPU, bf16 on a GPU (MLX's CUDA quantized
+    matmul has no fp32 kernel for the tiny shapes). Batch 1 and 2; every
+    step's logits bit for bit.
+    """
+    from . import tiny_model
+
+    installed = vars(owner)[attr]
+    prompt = mx.array([[(5 * i + 2) % 500 for i in range(40)]])
+    variants = (("fp32", None, None), ("4-bit", 4, None) if backend() == "cpu" else ("bf16", None, mx.bfloat16))
+    for label, bits, dtype in variants:
+        try:
+            model = tiny_model.build_model(seed=1, quantize_bits=bits)
+        except ImportError as exc:  # a bare GPU machine without mlx-vlm's processor dependencies
+            tally.notes.append(f"tiny model skipped: {exc}")
+            return
+        language_model = (_served_dtype(model, dtype) if dtype else model).language_model
+        for batch, tokens in ((1, prompt), (2, mx.concatenate([prompt, prompt[:, ::-1]]))):
+            results = []
+            for fn in (stock, patched):
+                try:
+                    setattr(owner, attr, fn)
+                    with forcing():
+                        results.append(tiny_model.greedy_logits(language_model, tokens, steps))
+                finally:
+                    setattr(owner, attr, installed)
+            tally.compare(f"tiny model {label} B={batch}", *results)

@@ -37,11 +37,15 @@ using bfloat16_t = bf16;
 
 // CUDA device functions, with the semantics the kernels rely on.
 float __fmaf_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-float __shfl_xor_sync(unsigned, float v, int offset) {
+static uint32_t exchange_bits[32];
+template <typename V>  // float or int: 32-bit values
+V __shfl_xor_sync(unsigned, V v, int offset) {
+  static_assert(sizeof(V) == 4, "32-bit shuffles only");
   unsigned lane = threadIdx.x % 32;
-  exchange[lane] = v;
+  std::memcpy(&exchange_bits[lane], &v, 4);
   warp_barrier->arrive_and_wait();
-  float other = exchange[lane ^ offset];
+  V other;
+  std::memcpy(&other, &exchange_bits[lane ^ offset], 4);
   warp_barrier->arrive_and_wait();
   return other;
 }
