@@ -1,0 +1,37 @@
+"""expert_combine: the MoE block's weighted sum of routed experts plus the shared expert, in one launch.
+
+The kernels live in ``kernel.py``, the replacement ``MoE.__call__`` in
+``combine.py`` and the exactness checks in ``verify.py``; all are imported on
+first use, so discovering this plugin imports neither mlx nor mlx-vlm.
+"""
+
+from glm53_patches.hookspecs import hookimpl
+from glm53_patches.patch import GLM5_NEXT, Patch, lazy
+
+_SWITCH = "mlx_vlm.models.switch_layers"
+
+PATCH = Patch(
+    name="expert_combine",
+    summary=(
+        "Glm5NextMoE at single-token decode: the routed experts' weighted sum plus the "
+        "shared expert's output in one kernel launch instead of four (cast, multiply, "
+        "column sum, add), with stock's rounding. GPU only, where `glm53-patches verify "
+        "expert_combine` passed; other models' MoE blocks are left alone."
+    ),
+    targets={f"{_SWITCH}:MoE.__call__": lazy(f"{__name__}.combine", "make_call")},
+    relies_on=(
+        f"{_SWITCH}:SwitchGLU.__call__",
+        f"{_SWITCH}:SwitchGLU._combine",
+        f"{GLM5_NEXT}:Glm5NextMoE.__init__",
+    ),
+    numerics="exact",
+    kernel_backends=("cuda", "metal"),
+    upstream="not yet proposed: a fused SwitchGLU._combine for single-token decode (PATCH.md)",
+    on_revert=lazy(f"{__name__}.combine", "clear", only_if_loaded=True),
+    verify=lazy(f"{__name__}.verify", "verify"),
+)
+
+
+@hookimpl
+def glm53_patches():
+    return [PATCH]

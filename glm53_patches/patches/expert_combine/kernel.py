@@ -1,0 +1,135 @@
+"""The MoE output combine as one GPU launch: CUDA and Metal twins.
+
+Stock (``SwitchGLU._combine`` with no residual) turns the routed experts'
+outputs ``routed [R, K, H]``, their weights ``[R, K]`` (float32) and the
+shared expert's output ``shared [R, H]`` into ::
+
+    out = (routed * weights[..., None].astype(routed.dtype)).sum(axis=-2) + shared
+
+as four kernels: the cast, the multiply, a column sum over K, the add. Here
+one thread per output element does the same arithmetic in the same types:
+
+CUDA: stock's eager kernels round every step to the model dtype, and MLX's
+CUDA ``col_reduce_small`` (K <= 32, rows of a multiple of 16 bytes) adds the
+K products in order into an accumulator *of the model dtype* (bf16 sums
+accumulate in bf16), starting from 0. The body does exactly that, in float
+with a cast to the model dtype after each step, and with ``__fmul_rn`` /
+``__fadd_rn``: written with MLX's ``Multiply``/``Add`` functors, NVRTC fused
+``acc + r * w`` into one fma and a third of the outputs differed on the H200.
+
+Metal: the same structure, accumulating in float32 (an assumption about
+MLX's Metal column reduction, unchecked); not run on any Mac yet: it runs
+only where ``glm53-patches verify expert_combine`` passed there.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from glm53_patches.kernels import hc_sinkhorn
+
+gpu_backend = hc_sinkhorn.gpu_backend
+
+THREADS = 256
+MAX_K = 32  # col_reduce_small covers reductions of at most 32 rows
+_FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+CUDA_HEADER = r"""
+#include "mlx/backend/cuda/device/cast_op.cuh"
+"""
+
+CUDA_SOURCE = r"""
+  // Template constants: T (model dtype), K, H.
+  // Each step is rounded to T as the eager kernels round it; __fmul_rn /
+  // __fadd_rn keep NVRTC from contracting product and sum into one fma.
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t total = (size_t)sizes[0] * H;
+  if (i >= total) {
+    return;
+  }
+  const size_t row = i / H;
+  const size_t h = i - row * H;
+  const T* r = routed + row * K * H + h;
+  const float* w = weights + row * K;
+  float acc = 0.0f;  // ReduceInit<Sum, T>; holds a value of T throughout
+  for (int k = 0; k < K; ++k) {
+    const float wk = static_cast<float>(cast_to<T>(w[k]));
+    const float p = static_cast<float>(cast_to<T>(__fmul_rn(static_cast<float>(r[(size_t)k * H]), wk)));
+    acc = static_cast<float>(cast_to<T>(__fadd_rn(acc, p)));
+  }
+  out[i] = cast_to<T>(__fadd_rn(acc, static_cast<float>(shared[i])));
+"""
+
+METAL_SOURCE = r"""
+  // Template constants: T (model dtype), K, H.
+  const ulong i = thread_position_in_grid.x;
+  const ulong total = (ulong)sizes[0] * H;
+  if (i >= total) {
+    return;
+  }
+  const ulong row = i / H;
+  const ulong h = i - row * H;
+  const device T* r = routed + row * K * H + h;
+  const device float* w = weights + row * K;
+  float acc = 0.0f;
+  for (int k = 0; k < K; ++k) {
+    acc = acc + static_cast<float>(T(r[(ulong)k * H] * static_cast<T>(w[k])));
+  }
+  out[i] = T(static_cast<T>(acc) + shared[i]);
+"""
+
+_kernels = {}
+
+
+def _kernel(backend: str):
+    kernel = _kernels.get(backend)
+    if kernel is None:
+        common = dict(
+            name="glm53_expert_combine",
+            input_names=["routed", "weights", "shared", "sizes"],
+            output_names=["out"],
+            ensure_row_contiguous=True,
+        )
+        if backend == "cuda":
+            kernel = mx.fast.cuda_kernel(source=CUDA_SOURCE, header=CUDA_HEADER, **common)
+        elif backend == "metal":
+            kernel = mx.fast.metal_kernel(source=METAL_SOURCE, **common)
+        else:
+            raise ValueError(f"no expert_combine kernel for backend {backend!r}")
+        _kernels[backend] = kernel
+    return kernel
+
+
+def unsupported(routed, weights, shared, backend=None) -> Optional[str]:
+    """Why the kernel does not cover this combine, or None when it does."""
+    backend = gpu_backend() if backend is None else backend
+    if backend not in ("cuda", "metal"):
+        return "no GPU backend"
+    if routed.ndim < 2 or routed.dtype not in _FLOATS or shared is None or shared.dtype != routed.dtype:
+        return "dtype"
+    *lead, k, hidden = routed.shape
+    if weights is None or weights.shape != (*lead, k) or weights.dtype != mx.float32:
+        return "weights"
+    if shared.shape != (*lead, hidden):
+        return "shape"
+    if not 1 <= k <= MAX_K or hidden * routed.dtype.size % 16:
+        return "not col_reduce_small's case"  # stock would sum in another order
+    if routed.size == 0:
+        return "empty"
+    return None
+
+
+def expert_combine(routed, weights, shared, *, backend=None):
+    """``(routed * weights[..., None]).sum(-2) + shared`` in stock's rounding; check ``unsupported`` first."""
+    backend = gpu_backend() if backend is None else backend
+    *lead, k, hidden = routed.shape
+    rows = routed.size // (k * hidden)
+    total = rows * hidden
+    return _kernel(backend)(
+        inputs=[routed, weights, shared, mx.array([rows], dtype=mx.int64)],
+        template=[("T", routed.dtype), ("K", k), ("H", hidden)],
+        grid=(-(-total // THREADS) * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*lead, hidden)],
+        output_dtypes=[routed.dtype],
+    )[0]
