@@ -1,18 +1,37 @@
-"""Which (patch, backend, mlx, mlx-vlm) combinations passed `verify` on this machine."""
+"""Which (patch, backend, mlx, mlx-vlm, patch code) combinations passed `verify` on this machine.
 
+The code digest covers the patch's folder and the shared kernels: a record
+made for an older kernel does not admit a changed one to ``all``.
+"""
+
+import functools
+import hashlib
 import json
 import os
 from importlib.metadata import version
+from pathlib import Path
 
 from . import config
+
+_PACKAGE = Path(__file__).parent
 
 
 def _path():
     return config.state_dir() / "verified.json"
 
 
+@functools.lru_cache(maxsize=None)
+def code_digest(patch: str) -> str:
+    """SHA-256 (12 hex digits) of the patch folder's and glm53_patches/kernels' Python sources."""
+    digest = hashlib.sha256()
+    for folder in (_PACKAGE / "patches" / patch, _PACKAGE / "kernels"):
+        for source in sorted(folder.glob("*.py")):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _key(patch: str, backend: str) -> str:
-    return f"{patch}|{backend}|mlx {version('mlx')}|mlx-vlm {version('mlx-vlm')}"
+    return f"{patch}|{backend}|mlx {version('mlx')}|mlx-vlm {version('mlx-vlm')}|code {code_digest(patch)}"
 
 
 def load() -> dict:

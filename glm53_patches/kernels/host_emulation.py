@@ -2,7 +2,7 @@
 
 Used by the patches' ``host_check.py`` programs, which paste a CUDA or Metal
 kernel body, unchanged, into a C++ function and run every warp (simdgroup) as
-32 host threads. ``__shfl_xor_sync`` and ``simd_sum`` exchange real values
+32 host threads. ``__shfl_xor_sync``, ``__ballot_sync`` and ``simd_sum`` exchange real values
 through a barrier, so a lane missing from a shuffle hangs (the callers time
 out). bf16 is its 16-bit pattern: widened exactly to float, narrowed to
 nearest even. ``load<T>(path, n)`` reads an input the Python side wrote.
@@ -49,6 +49,17 @@ V __shfl_xor_sync(unsigned, V v, int offset) {
   warp_barrier->arrive_and_wait();
   return other;
 }
+unsigned __ballot_sync(unsigned, bool predicate) {
+  unsigned lane = threadIdx.x % 32;
+  exchange_bits[lane] = predicate ? 1u : 0u;
+  warp_barrier->arrive_and_wait();
+  unsigned mask = 0;
+  for (int i = 0; i < 32; ++i) mask |= exchange_bits[i] << i;
+  warp_barrier->arrive_and_wait();
+  return mask;
+}
+int __popc(unsigned x) { return __builtin_popcount(x); }
+unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 // Metal.
 #define device
 #define constant

@@ -182,3 +182,67 @@ def test_composes_with_indexer_fp32(q4_model):
     assert PATCH.stats.snapshot()["hits"]["indexer"] == 16 * indexers
     # Its fused score ran for the prefill (through _exact_pool_select) and every decode step.
     assert sum(fp32.stats.snapshot()["hits"].values()) == 17 * indexers
+
+
+def test_selection_kernel_reference_equals_stock(fp32_model, monkeypatch):
+    """``host_check.reference`` (what the selection kernel's body is checked against) is stock's selection.
+
+    The kernel runs on GPUs only; its body runs on the host in
+    ``dsa_decode/host_check.py`` against this numpy reference. Here the
+    reference is fed what ``_kernel_topk`` would hand the kernel (scores as
+    stock computes them, the key-validity row, the pool limit) at every
+    context from 1 to CONTEXTS keys, and must give stock's top-k.
+    """
+    import numpy as np
+
+    from glm53_patches.patches.dsa_decode import decode
+    from glm53_patches.patches.dsa_decode.host_check import reference
+
+    seen = []
+
+    def recorder(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache, select_k, tail_width):
+        batch, pools = pool_keys.shape[:2]
+        q, weights = self._project_queries(x, q_resid)
+        scores = decode._lang._score_index_keys(q, pool_keys, weights, self.softmax_scale).reshape(batch, pools)
+        limit = pool_cache.offset if isinstance(pool_cache.offset, mx.array) else mx.full((batch,), pools)
+        seen.append([np.array(a) for a in (scores, key_valid, limit, query_valid.reshape(batch))]
+                    + [select_k, self.index_kpool, self.index_topk, tail_width])
+        return None  # the compiled path answers
+
+    monkeypatch.setattr(decode, "_kernel_topk", recorder)
+    attention = full_indexer_layers(fp32_model.language_model)[0].self_attn
+    fast = decode.make_call(STOCK)
+    caches = [fp32_model.language_model.make_cache()[2] for _ in range(2)]
+    hidden = attention.qkv_a_proj.weight.shape[1]
+    compared = 0
+    for step, key in enumerate(mx.random.split(mx.random.key(6), CONTEXTS)):
+        x = mx.random.normal((2, 1, hidden), key=key)
+        padding_mask = mx.array([[step % 7 != 3], [step % 9 != 4]])  # holes, and padded queries
+        q_resid = attention.q_a_layernorm(mx.split(attention.qkv_a_proj(x), (attention.q_lora_rank,), axis=-1)[0])
+        outputs = []
+        for fn, cache in ((STOCK, caches[0]), (fast, caches[1])):
+            offset = cache[0].offset
+            cache[0].update_and_fetch(mx.zeros((2, 1, 1, 1)), mx.zeros((2, 1, 1, 0)))
+            outputs.append(np.array(fn(attention.indexer, x, q_resid, padding_mask, cache[1], cache[2], offset)))
+        if seen and seen[-1][1].shape[1] == step + 1:  # this step reached the kernel's hand-off
+            assert np.array_equal(reference(*seen[-1]), outputs[0][:, 0]), f"context {step + 1}"
+            compared += 1
+    assert compared >= CONTEXTS - 4  # every context with at least one pool
+
+
+def test_selection_kernel_coverage_and_knob(monkeypatch):
+    from glm53_patches.patches.dsa_decode import decode
+    from glm53_patches.patches.dsa_decode.select_kernel import MAX_POOLS, unsupported
+
+    scores, valid = mx.zeros((2, 256)), mx.ones((2, 4096), dtype=mx.bool_)
+    assert unsupported(scores, valid, backend="cuda") is None
+    assert unsupported(scores, valid, backend=None) == "no GPU backend"
+    assert unsupported(scores.astype(mx.bfloat16), valid, backend="cuda") == "score dtype"
+    assert unsupported(mx.zeros((2, 0)), valid, backend="cuda") == "empty"
+    assert unsupported(mx.zeros((2, MAX_POOLS + 1)), valid, backend="cuda") is not None
+    decode.clear()
+    assert decode.kernel_wanted("cuda") is False  # auto: no verify record in the test state dir
+    monkeypatch.setenv("GLM53_DSA_DECODE_KERNEL", "1")
+    decode.clear()
+    assert decode.kernel_wanted("cuda") is True and decode.kernel_wanted(None) is False
+    decode.clear()

@@ -38,6 +38,19 @@ def test_verify_records_a_pass_that_status_and_all_read():
     assert entry["drift"] is None and "0.7.10" in entry["verified_on"]
 
 
+def test_a_record_for_other_patch_code_does_not_count():
+    """A pass recorded for another version of a patch's code (another digest) admits nothing."""
+    verify_records.record("dsa_decode", "cuda", {"passed": True})
+    assert verify_records.passed("dsa_decode", "cuda")
+    records = verify_records.load()
+    (key,) = records
+    assert key.endswith(f"|code {verify_records.code_digest('dsa_decode')}")
+    stale = key.rsplit("|code ", 1)[0] + "|code 000000000000"
+    verify_records._path().write_text(json.dumps({stale: records[key]}))
+    assert not verify_records.passed("dsa_decode", "cuda")
+    assert verify_records.code_digest("dsa_decode") != verify_records.code_digest("hc_decode")
+
+
 def test_verify_unknown_patch_is_an_error():
     result = cli("verify", "bogus")
     assert result.returncode == 2 and "unknown patch(es): bogus" in result.stderr

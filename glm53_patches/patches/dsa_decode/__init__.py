@@ -16,7 +16,9 @@ PATCH = Patch(
         "updates, pool scores and argpartition, then does pool-to-key expansion, ordering and "
         "tail as integer arithmetic in one compiled graph instead of context-sized tables, "
         "cumsum and gathers; the attention gathers the selected latent rows as whole rows "
-        "instead of a per-element take_along_axis. Bit-identical to stock."
+        "instead of a per-element take_along_axis. On a GPU where `glm53-patches verify "
+        "dsa_decode` passed, the selection after the pool scores is one kernel launch "
+        "(up to 1,024 pools). Bit-identical to stock."
     ),
     targets={
         f"{GLM5_NEXT}:Glm5NextIndexer.__call__": lazy(f"{__name__}.decode", "make_call"),
@@ -44,9 +46,9 @@ PATCH = Patch(
     ),
     numerics="exact",
     # The compiled part is integer-only (no rounding, no math mode), and every
-    # float op is stock's own call: exact on any backend by construction.
-    # `verify` still checks it bit for bit on the machine it runs on.
-    kernel_backends=(),
+    # float op is stock's own call: exact on any backend by construction. The
+    # selection kernel (CUDA, Metal) runs where `verify` passed on this machine.
+    kernel_backends=("cuda", "metal"),
     upstream="not yet proposed: decode branches of Glm5NextIndexer.__call__ and Glm5NextAttention._attend (PATCH.md)",
     on_revert=lazy(f"{__name__}.decode", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),

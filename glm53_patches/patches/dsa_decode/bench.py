@@ -43,13 +43,26 @@ def _attend_case(dtype, context, batch=1):
     return lambda: (lambda fn, step: fn(attention, *inputs))
 
 
+def _with_kernel(fn, on):
+    """``fn`` with the indexer's selection kernel forced on or off."""
+    from .decode import switch
+
+    def call(*args):
+        with switch.forcing(on):
+            return fn(*args)
+
+    return call
+
+
 def measure(pieces, contexts, dtype, rounds, steps):
     from glm53_patches import registry
 
     rows = []
     for piece, (target, make, case) in pieces.items():
         stock = registry.upstream(target)
-        arms = {"stock": stock, "dsa_decode": make(stock)}
+        arms = {"stock": stock, "dsa_decode": _with_kernel(make(stock), False)}
+        if piece == "indexer" and registry.backend() in PATCH.kernel_backends:
+            arms["dsa_decode kernel"] = _with_kernel(make(stock), True)
         for context in contexts:
             start = case(dtype, context)
             times = {name: [] for name in arms}

@@ -33,9 +33,13 @@ import mlx.core as mx
 from mlx_vlm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.models.glm5_next import language as _lang
 
+from glm53_patches.kernel_switch import KernelSwitch
+
 from . import PATCH
+from . import select_kernel
 
 stats = PATCH.stats
+switch = KernelSwitch(PATCH.name)
 
 
 def _expand_selection(selected, selected_valid, first_key, visible_count, tail_key_valid, pool_count, kv_length,
@@ -84,6 +88,7 @@ def _expander(fixed_width, **static):
 
 def clear():
     _compiled_expand.clear()
+    switch.clear()
 
 
 def _select_pools(self, x, q_resid, pool_keys, candidates, select_k):
@@ -97,6 +102,37 @@ def _select_pools(self, x, q_resid, pool_keys, candidates, select_k):
         scores = mx.where(candidates[:, None], scores, mx.finfo(mx.float32).min)
         selected = mx.argpartition(-scores, kth=select_k - 1, axis=-1)[..., :select_k].astype(mx.int32)
     return selected, mx.take_along_axis(candidates[:, None], selected, axis=-1)
+
+
+def kernel_wanted(backend):
+    """GLM53_DSA_DECODE_KERNEL, else this backend's verify record (glm53_patches/kernel_switch.py)."""
+    return switch.wanted(backend)
+
+
+def _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache, select_k, tail_width):
+    """The selection after the cache updates in one launch (``select_kernel``); None where it does not run."""
+    backend = select_kernel.gpu_backend()
+    if not kernel_wanted(backend):
+        return None
+    batch, pool_count = pool_keys.shape[:2]
+    if select_k < pool_count:
+        q, weights = self._project_queries(x, q_resid)
+        scores = _lang._score_index_keys(q, pool_keys, weights, self.softmax_scale).reshape(batch, pool_count)
+    else:  # every pool is selected: stock computes no score
+        scores = mx.zeros((batch, pool_count), dtype=mx.float32)
+    reason = select_kernel.unsupported(scores, key_valid, backend)
+    if reason is not None:  # the lazy scores are never evaluated
+        stats.fallback(f"kernel: {reason} (compiled path ran)")
+        return None
+    if isinstance(pool_cache.offset, mx.array):
+        pool_limit = pool_cache.offset.astype(mx.int32)
+    else:
+        pool_limit = mx.full((batch,), pool_count, dtype=mx.int32)
+    stats.hit("indexer kernel")
+    return select_kernel.select_topk(
+        scores, key_valid, pool_limit, query_valid.reshape(batch), select_k,
+        kpool=self.index_kpool, topk=self.index_topk, tail_width=tail_width, backend=backend,
+    )
 
 
 def decode_topk(self, x, q_resid, padding_mask=None, cache=None, pool_cache=None, offset=0):
@@ -122,6 +158,12 @@ def decode_topk(self, x, q_resid, padding_mask=None, cache=None, pool_cache=None
 
     kv_length = key_valid.shape[1]
     pool_count = pool_keys.shape[1]
+    select_k = min(self.index_topk // kpool, pool_count)
+    tail_width = kpool - 1 if self.always_select_tail and kpool > 1 else 0
+    topk = _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache, select_k, tail_width)
+    if topk is not None:
+        return topk
+
     first_key = mx.where(mx.any(key_valid, axis=-1), mx.argmax(key_valid.astype(mx.int32), axis=-1), kv_length)
     if isinstance(pool_cache.offset, mx.array):
         pool_valid = mx.arange(pool_count)[None] < pool_cache.offset[:, None]
@@ -130,13 +172,11 @@ def decode_topk(self, x, q_resid, padding_mask=None, cache=None, pool_cache=None
     # Pool p ends at key first_key + p * kpool + kpool - 1; the token is at kv_length - 1.
     pool_end = mx.clip(first_key[:, None] + mx.arange(pool_count) * kpool + (kpool - 1), 0, max(kv_length - 1, 0))
     candidates = pool_valid & (pool_end <= kv_length - 1)
-    select_k = min(self.index_topk // kpool, pool_count)
     if pool_count:
         selected, selected_valid = _select_pools(self, x, q_resid, pool_keys, candidates, select_k)
     else:
         selected = selected_valid = mx.zeros((batch, 1, 0), dtype=mx.int32)
 
-    tail_width = kpool - 1 if self.always_select_tail and kpool > 1 else 0
     visible_count = key_valid.astype(mx.int32).sum(axis=-1)
     if tail_width:
         tail_count = visible_count % kpool

@@ -9,9 +9,39 @@ TITLE = "glm5_next: indexer decode without context-sized bookkeeping (MLX_VLM_GL
 # Off by default upstream: `MLX_VLM_GLM5_DSA_DECODE=1` turns it on.
 SWITCH = "MLX_VLM_GLM5_DSA_DECODE"
 
-MODULES = {"decode": "mlx_vlm/models/glm5_next/dsa_decode.py"}
+MODULES = {
+    "decode": "mlx_vlm/models/glm5_next/dsa_decode.py",
+    "select_kernel": "mlx_vlm/models/glm5_next/dsa_select_kernel.py",
+}
 
 PLUGIN_ONLY = ("make_call", "make_attend")
+
+# The plugin runs the selection kernel where `glm53-patches verify dsa_decode`
+# passed on the user's machine; upstream has no verify records: the kernel runs
+# on CUDA, where it was checked, whenever the module is switched on.
+REPLACE = {
+    "kernel_wanted": '''
+def kernel_wanted(backend):
+    """The selection kernel runs on CUDA (checked bit-identical there); elsewhere the compiled path."""
+    return backend == "cuda"
+''',
+    "gpu_backend": '''
+def gpu_backend():
+    """'cuda' or 'metal' when the default device is a GPU, else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else None
+''',
+}
+
+TEXT = {
+    "glm53_dsa_select": "glm5_next_dsa_select",
+    "``glm53-patches verify dsa_decode``": "the tests on a GPU",
+    "GLM53_DSA_DECODE_KERNEL, else this backend's verify record (glm53_patches/kernel_switch.py).": "Whether the selection kernel runs on ``backend``.",
+}
 
 HOOKS = (
     {

@@ -7,7 +7,9 @@
 2. the attention over the selected latent rows at real dimensions (64 heads,
    latent 512), bf16 (fp32 on the CPU), contexts 4k/16k, batch 1 and 2,
    selections with -1 slots;
-3. greedy decode of the tiny random-weight model, batch 1 and 2, logits bit for bit.
+3. greedy decode of the tiny random-weight model, batch 1 and 2, logits bit for bit;
+4. on a GPU, 1 and 3 again with the one-launch selection kernel
+   (``select_kernel.py``) forced on; 1-3 run with it forced off.
 """
 
 import time
@@ -48,7 +50,7 @@ def _caches(config, context, batch, dtype):
     return valid, pool
 
 
-def check_indexer(tally, stock, fast, contexts=(2040, 4096, 16384), batches=(1, 2), dtype=mx.bfloat16):
+def check_indexer(tally, stock, fast, contexts=(2040, 4096, 16384), batches=(1, 2), dtype=mx.bfloat16, label=""):
     indexer, config = _indexer(dtype)
     for context in contexts:
         for batch in batches:
@@ -63,7 +65,7 @@ def check_indexer(tally, stock, fast, contexts=(2040, 4096, 16384), batches=(1, 
                     steps.append(fn(indexer, x, q_resid, None, valid, pool, context + step))
                     mx.eval(steps[-1])
                 outputs.append(steps)
-            tally.compare(f"indexer {dtype} ctx {context} B={batch}", *outputs)
+            tally.compare(f"{label}indexer {dtype} ctx {context} B={batch}", *outputs)
 
 
 def _attention(dtype, context, batch):
@@ -101,7 +103,7 @@ def check_attend(tally, stock, fast, contexts=(4096, 16384), batches=(1, 2), dty
             tally.compare(f"attend {dtype} ctx {context} B={batch}", *outputs)
 
 
-def check_model(tally, stock, fast, steps=24):
+def check_model(tally, stock, fast, steps=24, label=""):
     """``stock`` and ``fast``: (indexer __call__, attention _attend) pairs."""
     from mlx_vlm.models.glm5_next.language import Glm5NextAttention, Glm5NextIndexer
 
@@ -123,14 +125,14 @@ def check_model(tally, stock, fast, steps=24):
             finally:
                 for (owner, attr), fn in zip(slots, installed):
                     setattr(owner, attr, fn)
-        tally.compare(f"tiny model fp32 B={batch}", *results)
+        tally.compare(f"{label}tiny model fp32 B={batch}", *results)
 
 
 def verify():
     from glm53_patches import registry
 
     from . import PATCH
-    from .decode import make_attend, make_call
+    from .decode import make_attend, make_call, switch
 
     start = time.perf_counter()
     indexer_target, attend_target = PATCH.targets
@@ -138,11 +140,18 @@ def verify():
     stock_attend = registry.upstream(attend_target)
     tally = Tally()
     before = PATCH.stats.snapshot()["hits"]
-    check_indexer(tally, stock, make_call(stock))
-    check_attend(tally, stock_attend, make_attend(stock_attend))
-    check_model(tally, (stock, stock_attend), (make_call(stock), make_attend(stock_attend)))
+    gpu = registry.backend() in PATCH.kernel_backends
+    with switch.forcing(False):  # the compiled selection
+        check_indexer(tally, stock, make_call(stock))
+        check_attend(tally, stock_attend, make_attend(stock_attend))
+        check_model(tally, (stock, stock_attend), (make_call(stock), make_attend(stock_attend)))
+    if gpu:  # the one-launch selection kernel
+        with switch.forcing(True):
+            check_indexer(tally, stock, make_call(stock), label="kernel ")
+            check_model(tally, (stock, stock_attend), (make_call(stock), make_attend(stock_attend)), label="kernel ")
     after = PATCH.stats.snapshot()["hits"]
-    for path in ("indexer", "attend"):  # equal outputs prove nothing if stock ran both times
+    paths = ("indexer", "attend") + (("indexer kernel",) if gpu else ())
+    for path in paths:  # equal outputs prove nothing if stock ran both times
         if after.get(path, 0) == before.get(path, 0):
             tally.mismatches.append(f"the {path} fast path never ran")
     return tally.result(time.perf_counter() - start)
