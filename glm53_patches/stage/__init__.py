@@ -233,7 +233,7 @@ def _stage_into(result, patch, described: Description, tree, out, work, models, 
                                       described.equivalence, plugin_fast_path(described))
         staged_run = checks.staged_logits(repo, models, described.switch, described.switch_module,
                                           described.fast_path, work / "staged", described.equivalence)
-        result.equivalence = _equivalence(patch, plugin, staged_run, work)
+        result.equivalence = _equivalence(patch, plugin, staged_run, work, described.gpu_only)
 
 
 def plugin_fast_path(described: Description) -> Optional[str]:
@@ -257,7 +257,7 @@ def _summary(report: Dict, keys) -> Dict:
     return summary
 
 
-def _equivalence(patch, plugin: Dict, staged: Dict, work: Path) -> Dict:
+def _equivalence(patch, plugin: Dict, staged: Dict, work: Path, gpu_only: bool = False) -> Dict:
     from . import checks
 
     summary = {"ok": False}
@@ -268,6 +268,7 @@ def _equivalence(patch, plugin: Dict, staged: Dict, work: Path) -> Dict:
     hits = plugin.get("plugin_stats", {}).get("hits", {})
     summary["plugin_hits"] = hits
     summary["served"] = staged.get("fast_path", {}).get("served", 0)
+    summary["declined"] = staged.get("fast_path", {}).get("declined", 0)
     summary["served_when_off"] = staged.get("fast_path_off", {}).get("served", 0)
     summary["enabled_at_import"] = staged.get("enabled_at_import")
     summary["kind"] = staged.get("equivalence", "logits")
@@ -277,13 +278,22 @@ def _equivalence(patch, plugin: Dict, staged: Dict, work: Path) -> Dict:
         all(summary["staged_equals_plugin"].values())
         and all(summary["off_equals_stock"].values())
         and (patch.numerics != "exact" or all(summary["staged_equals_stock"].values()))
-        and summary["served"] > 0
-        and sum(hits.values()) > 0
+        and _fast_path_ran(summary, hits, plugin, gpu_only)
         and summary["served_when_off"] == 0
         and summary["enabled_at_import"] in (True, None)
         and not summary["blocked_imports"]
     )
     return summary
+
+
+def _fast_path_ran(summary, hits, plugin, gpu_only):
+    """Served and counted; for a GPU-only kernel on the CPU: reached, declined and counted as a fallback."""
+    from ..registry import backend
+
+    if gpu_only and backend() == "cpu":
+        fallbacks = plugin.get("plugin_stats", {}).get("fallbacks", {})
+        return summary["served"] == 0 and summary["declined"] > 0 and sum(fallbacks.values()) > 0
+    return summary["served"] > 0 and sum(hits.values()) > 0
 
 
 # -- many ----------------------------------------------------------------------------------------

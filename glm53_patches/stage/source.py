@@ -28,6 +28,8 @@ A patch folder's ``upstream.py`` (pure data) says what the pull request is:
                  ``"warm-cold"`` (for a cache patch: each checkpoint decoded
                  cold, and warm from an entry written and read back through
                  ``DiskBlockStore``; see ``runner.py``).
+``GPU_ONLY``     optional ``True``: the fast path runs on GPUs only (a kernel);
+                 on the CPU the staged hook must be reached and decline.
 ``TITLE``, ``PR_SECTIONS``: the PR text (see ``pr.py``).
 
 A plugin module becomes an upstream module by these rules only:
@@ -87,6 +89,7 @@ class Description:
     data: object = field(repr=False, default=None)
     text: Dict[str, str] = field(default_factory=dict)  # TEXT: substitutions inside string literals
     equivalence: str = "logits"  # EQUIVALENCE: which check the logits runs make
+    gpu_only: bool = False  # GPU_ONLY: on the CPU the fast path declines every call
 
     @property
     def switch_module(self) -> Optional[str]:
@@ -156,6 +159,7 @@ def describe(patch) -> Optional[Description]:
         data=data,
         text=dict(getattr(data, "TEXT", {})),
         equivalence=_equivalence_kind(patch.name, getattr(data, "EQUIVALENCE", "logits")),
+        gpu_only=bool(getattr(data, "GPU_ONLY", False)),
     )
 
 
@@ -371,7 +375,8 @@ def upstream_module(source: str, module: str, target_path: str, described: Descr
             if not isinstance(block, list) or not block or not isinstance(block[0], ast.stmt):
                 continue
             counters = [s for s in block if is_counter(s)]
-            if counters and len(counters) == len(block):
+            inside = any(s <= _span(block[0])[0] and _span(block[-1])[1] <= e for s, e in covered)
+            if counters and len(counters) == len(block) and not inside:  # a dropped definition goes whole
                 raise StageError(f"{where}: line {block[0].lineno}: a block holds only counters")
             for stmt in counters:
                 start, end = _span(stmt)

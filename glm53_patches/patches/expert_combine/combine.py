@@ -21,12 +21,17 @@ stats = PATCH.stats
 switch = KernelSwitch(PATCH.name)
 
 
+def kernel_wanted(backend):
+    """GLM53_EXPERT_COMBINE_KERNEL, else this backend's verify record (``glm53_patches/kernel_switch.py``)."""
+    return switch.wanted(backend)
+
+
 def combine_call(self, x, args, residual, kwargs):
     """``MoE.__call__`` for a glm5_next decode token with the one-launch combine; None where it does not run."""
     if not isinstance(self, _lang.Glm5NextMoE):
         return None  # another model's MoE: not ours to count
     backend = gpu_backend()
-    if not switch.wanted(backend):
+    if not kernel_wanted(backend):
         stats.fallback("no GPU backend" if backend is None else "kernel off (not verified here)")
         return None
     if args or kwargs or residual is not None or getattr(self, "sharding_group", None) is not None:

@@ -2,8 +2,8 @@
 
 On the CPU, and for a router the kernel does not cover (grouped routing,
 more than 1,024 experts or 32 picks), the stock ``__call__`` runs. On a GPU
-backend the kernel runs where ``glm53-patches verify router_select`` passed,
-or with GLM53_ROUTER_SELECT_KERNEL=1 (``glm53_patches/kernel_switch.py``).
+the kernel runs where ``glm53-patches verify router_select`` passed, or with
+GLM53_ROUTER_SELECT_KERNEL=1 (``glm53_patches/kernel_switch.py``).
 """
 
 import functools
@@ -21,10 +21,15 @@ stats = PATCH.stats
 switch = KernelSwitch(PATCH.name)
 
 
+def kernel_wanted(backend):
+    """GLM53_ROUTER_SELECT_KERNEL, else this backend's verify record (``glm53_patches/kernel_switch.py``)."""
+    return switch.wanted(backend)
+
+
 def select(self, x):
     """``MoEGate.__call__(self, x)`` through the kernel; None, having computed nothing, where it does not run."""
     backend = gpu_backend()
-    if not switch.wanted(backend):
+    if not kernel_wanted(backend):
         stats.fallback("no GPU backend" if backend is None else "kernel off (not verified here)")
         return None
     # Stock's gate matmul, unchanged; only what follows it is fused.

@@ -28,14 +28,14 @@ from glm53_patches.kernels.host_emulation import PRELUDE
 from . import kernel
 
 PROGRAM = r"""
-#define GLM53_ROW blockIdx.x
-#define GLM53_LANE threadIdx.x
-#define GLM53_SIGMOID(x) host_sigmoid(x)
-#define GLM53_ADD(a, b) ((a) + (b))
-#define GLM53_DIVIDE(a, b) ((a) / (b))
-#define GLM53_MULTIPLY(a, b) ((a) * (b))
-#define GLM53_SHFL_XOR(v, off) __shfl_xor_sync(0xffffffffu, v, off)
-#define GLM53_INLINE inline
+#define RS_ROW blockIdx.x
+#define RS_LANE threadIdx.x
+#define RS_SIGMOID(x) host_sigmoid(x)
+#define RS_ADD(a, b) ((a) + (b))
+#define RS_DIVIDE(a, b) ((a) / (b))
+#define RS_MULTIPLY(a, b) ((a) * (b))
+#define RS_SHFL_XOR(v, off) __shfl_xor_sync(0xffffffffu, v, off)
+#define RS_INLINE inline
 %(before)s
 float host_sigmoid(float x) {  // MLX's Sigmoid functor
   float y = 1 / (1 + std::exp(std::fabs(x)));

@@ -25,7 +25,7 @@ the compiled tail). Here one warp (simdgroup) per row does it all:
   ``ORDER 1`` emits the other order a radix-select partition would give
   (values strictly below the K-th first, then those equal to it, each group
   by expert index). Which one stock uses on a machine is what ``verify``
-  and ``device_check`` establish; the selected *set* is the same either way;
+  establishes; the selected *set* is the same either way;
 * the weight sum follows MLX's row reduction for a row of K float32 values
   (CUDA ``row_reduce_simple``: chunks of 4 summed from 0 in order, chunk sums
   combined by the warp tree); the divide and scale are the compiled tail's
@@ -59,13 +59,13 @@ CUDA_HEADER = r"""
 #include "mlx/backend/cuda/device/unary_ops.cuh"
 """
 
-# The body is shared by CUDA and the host check; GLM53_* macros are the
+# The body is shared by CUDA and the host check; RS_* macros are the
 # backend's primitives.
 SELECT_BODY = r"""
   // Template constants: E (experts), K (top-k), NORM, ORDER, SUMCHUNK.
   constexpr int PER = (E + 31) / 32;
-  const unsigned row = GLM53_ROW;
-  const int lane = (int)GLM53_LANE;
+  const unsigned row = RS_ROW;
+  const int lane = (int)RS_LANE;
   const float* lg = logits + (size_t)row * E;
 
   // Sigmoid and choice score of this lane's experts: stock's fused head.
@@ -75,8 +75,8 @@ SELECT_BODY = r"""
   for (int j = 0; j < PER; ++j) {
     const int e = lane + 32 * j;
     if (e < E) {
-      score[j] = GLM53_SIGMOID(lg[e]);
-      key[j] = -GLM53_ADD(score[j], bias[e]);
+      score[j] = RS_SIGMOID(lg[e]);
+      key[j] = -RS_ADD(score[j], bias[e]);
     } else {
       score[j] = 0.0f;
       key[j] = 0.0f;
@@ -94,17 +94,17 @@ SELECT_BODY = r"""
     float bs = 0.0f;
     for (int j = 0; j < PER; ++j) {
       const int e = lane + 32 * j;
-      if (!((taken >> j) & 1u) && glm53_before(key[j], e, bv, bi, E)) {
+      if (!((taken >> j) & 1u) && expert_before(key[j], e, bv, bi, E)) {
         bv = key[j];
         bi = e;
         bs = score[j];
       }
     }
     for (int off = 16; off > 0; off >>= 1) {
-      const float ov = GLM53_SHFL_XOR(bv, off);
-      const int oi = GLM53_SHFL_XOR(bi, off);
-      const float os = GLM53_SHFL_XOR(bs, off);
-      if (glm53_before(ov, oi, bv, bi, E)) {
+      const float ov = RS_SHFL_XOR(bv, off);
+      const int oi = RS_SHFL_XOR(bi, off);
+      const float os = RS_SHFL_XOR(bs, off);
+      if (expert_before(ov, oi, bv, bi, E)) {
         bv = ov;
         bi = oi;
         bs = os;
@@ -162,7 +162,7 @@ SELECT_BODY = r"""
         part[c] = part[c] + part[c + off];
       }
     }
-    total = GLM53_ADD(part[0], consts[0]);
+    total = RS_ADD(part[0], consts[0]);
   }
   if (lane < K) {
     float w = sel_score[0];
@@ -174,16 +174,16 @@ SELECT_BODY = r"""
       }
     }
     if (NORM && K > 1) {
-      w = GLM53_DIVIDE(w, total);
+      w = RS_DIVIDE(w, total);
     }
     indices[(size_t)row * K + lane] = idx;
-    weights[(size_t)row * K + lane] = GLM53_MULTIPLY(w, consts[1]);
+    weights[(size_t)row * K + lane] = RS_MULTIPLY(w, consts[1]);
   }
 """
 
 # a before b: MLX's LessThan on the keys (NaN sorts last), then the lower index.
 BEFORE = r"""
-GLM53_INLINE bool glm53_before(float av, int ai, float bv, int bi, int none) {
+RS_INLINE bool expert_before(float av, int ai, float bv, int bi, int none) {
   if (ai >= none) return false;
   if (bi >= none) return true;
   const bool an = av != av;
@@ -200,37 +200,37 @@ GLM53_INLINE bool glm53_before(float av, int ai, float bv, int bi, int none) {
 
 CUDA_SOURCE = (
     r"""
-#define GLM53_ROW blockIdx.x
-#define GLM53_LANE threadIdx.x
-#define GLM53_SIGMOID(x) Sigmoid{}(x)
-#define GLM53_ADD(a, b) Add{}(a, b)
-#define GLM53_DIVIDE(a, b) Divide{}(a, b)
-#define GLM53_MULTIPLY(a, b) Multiply{}(a, b)
-#define GLM53_SHFL_XOR(v, off) __shfl_xor_sync(0xffffffffu, v, off)
+#define RS_ROW blockIdx.x
+#define RS_LANE threadIdx.x
+#define RS_SIGMOID(x) Sigmoid{}(x)
+#define RS_ADD(a, b) Add{}(a, b)
+#define RS_DIVIDE(a, b) Divide{}(a, b)
+#define RS_MULTIPLY(a, b) Multiply{}(a, b)
+#define RS_SHFL_XOR(v, off) __shfl_xor_sync(0xffffffffu, v, off)
 """
     + SELECT_BODY
 )
 
-CUDA_HELPERS = "#define GLM53_INLINE __device__ __forceinline__\n" + BEFORE
+CUDA_HELPERS = "#define RS_INLINE __device__ __forceinline__\n" + BEFORE
 
-METAL_HEADER = "#define GLM53_INLINE inline\n" + BEFORE
+METAL_HEADER = "#define RS_INLINE inline\n" + BEFORE
 
 METAL_SOURCE = (
     r"""
-#define GLM53_ROW threadgroup_position_in_grid.x
-#define GLM53_LANE thread_position_in_threadgroup.x
-#define GLM53_SIGMOID(x) glm53_sigmoid(x)
-#define GLM53_ADD(a, b) ((a) + (b))
-#define GLM53_DIVIDE(a, b) ((a) / (b))
-#define GLM53_MULTIPLY(a, b) ((a) * (b))
-#define GLM53_SHFL_XOR(v, off) simd_shuffle_xor(v, (ushort)(off))
+#define RS_ROW threadgroup_position_in_grid.x
+#define RS_LANE thread_position_in_threadgroup.x
+#define RS_SIGMOID(x) metal_sigmoid(x)
+#define RS_ADD(a, b) ((a) + (b))
+#define RS_DIVIDE(a, b) ((a) / (b))
+#define RS_MULTIPLY(a, b) ((a) * (b))
+#define RS_SHFL_XOR(v, off) simd_shuffle_xor(v, (ushort)(off))
 """
     + SELECT_BODY
 )
 
 # mlx/backend/metal/kernels/unary_ops.h's Sigmoid, as MLX's compiled Metal kernels evaluate it.
 METAL_SIGMOID = r"""
-inline float glm53_sigmoid(float x) {
+inline float metal_sigmoid(float x) {
   float y = 1 / (1 + metal::exp(metal::abs(x)));
   return (x < 0) ? y : 1 - y;
 }

@@ -1,0 +1,80 @@
+"""How router_select becomes an mlx-vlm pull request: read by `glm53-patches stage`.
+
+Pure data, no imports. The upstream modules are generated from ``gate.py`` and
+``kernel.py`` themselves (see ``glm53_patches/stage/source.py``).
+"""
+
+TITLE = "glm5_next: the MoE router's selection in one CUDA launch (MLX_VLM_GLM5_ROUTER_SELECT)"
+
+SWITCH = "MLX_VLM_GLM5_ROUTER_SELECT"
+
+MODULES = {
+    "gate": "mlx_vlm/models/glm5_next/router_select.py",
+    "kernel": "mlx_vlm/models/glm5_next/router_select_kernel.py",
+}
+
+PLUGIN_ONLY = ("make_call", "clear")
+
+# The plugin runs the kernel where `glm53-patches verify router_select` passed
+# on the user's machine; upstream has no verify records: the kernel runs on
+# CUDA, where it was checked bit-identical, whenever the module is switched on.
+REPLACE = {
+    "kernel_wanted": '''
+def kernel_wanted(backend):
+    """The kernel runs on CUDA (checked bit-identical there); the Metal twin has not run on a Mac yet."""
+    return backend == "cuda"
+''',
+    "gpu_backend": '''
+def gpu_backend():
+    """'cuda' or 'metal' when the default device is a GPU, else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else None
+''',
+    "compiled_constant": '''
+@functools.lru_cache(maxsize=16)
+def compiled_constant(value):
+    """The float32 an ``mx.compile``d kernel reads for a captured Python float (it prints constants)."""
+    probe = mx.compile(lambda a: mx.abs(a) * value)
+    return probe(mx.ones((1,), dtype=mx.float32)).item()
+''',
+}
+
+TEXT = {
+    "glm53_router_select": "glm5_next_router_select",
+    "(``hc_sinkhorn.compiled_constant``)": "(``compiled_constant``)",
+    "Which one stock uses on a machine is what ``verify``\n  establishes": "Which one stock uses is a property of the backend\n  (order 0 on CUDA in MLX 0.32.x)",
+    "It has not run on any Mac; it runs\nonly where ``glm53-patches verify router_select`` passed there.": "It has not run on any Mac; it is not enabled there.",
+    "the kernel runs where ``glm53-patches verify router_select`` passed, or with\nGLM53_ROUTER_SELECT_KERNEL=1 (``glm53_patches/kernel_switch.py``).": "the kernel runs on CUDA, where it was checked bit-identical.",
+}
+
+HOOKS = (
+    {
+        "file": "mlx_vlm/models/glm5_next/language.py",
+        "function": "MoEGate.__call__",
+        "import": "from . import router_select",
+        "code": (
+            "if router_select.ENABLED:\n"
+            "    selected = router_select.select(self, x)\n"
+            "    if selected is not None:\n"
+            "        return selected\n"
+        ),
+    },
+)
+
+FAST_PATH = "mlx_vlm.models.glm5_next.router_select:select"
+
+# The kernel runs on GPUs only: on the CPU the staged hook is reached and declines.
+GPU_ONLY = True
+
+TESTS = {"upstream_tests.py": "mlx_vlm/tests/test_glm5_next_router_select.py"}
+
+PR_SECTIONS = (
+    ("Why and how", ("What it replaces", "When it steps aside")),
+    ("Why the outputs are bit-identical", ("Why it is exact",)),
+    ("Verified so far", ("Verified",)),
+    ("Measured effect", ("Measured",)),
+)
