@@ -110,3 +110,32 @@ def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16):
                 finally:
                     setattr(owner, attr, installed)
             tally.compare(f"tiny model {label} B={batch}", *results)
+
+
+def verify_gpu_kernel(patch, check_kernel, owner, make_call, switch):
+    """``verify`` of a patch that is one GPU kernel behind ``owner.__call__`` and stock elsewhere.
+
+    On a GPU: ``check_kernel(tally, backend)`` (the kernel against stock's
+    ops), then the tiny models with the kernel forced on, which must count
+    kernel hits. On the CPU: the tiny models only (the wrapper must hand
+    every call to stock unchanged).
+    """
+    import time
+
+    from . import registry
+
+    start = time.perf_counter()
+    here = backend()
+    on_gpu = here in ("cuda", "metal")
+    tally = Tally()
+    before = patch.stats.snapshot()["hits"].get("kernel", 0)
+    if on_gpu:
+        check_kernel(tally, here)
+    stock = registry.upstream(next(iter(patch.targets)))  # stock even while patches are applied
+    compare_tiny_models(tally, owner, "__call__", stock, make_call(stock), lambda: switch.forcing(True))
+    ran = patch.stats.snapshot()["hits"].get("kernel", 0) - before
+    if on_gpu and not ran:  # equal outputs prove nothing if stock ran both times
+        tally.mismatches.append("the kernel never ran in the model check")
+    if not on_gpu:
+        tally.notes.append("no GPU backend: the patch steps aside (stock code)")
+    return tally.result(time.perf_counter() - start)

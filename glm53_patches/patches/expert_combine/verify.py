@@ -11,11 +11,9 @@
 On the CPU there is no kernel: the patch steps aside, and only check 2 runs.
 """
 
-import time
-
 import mlx.core as mx
 
-from glm53_patches.exactness import Tally, compare_tiny_models
+from glm53_patches.exactness import verify_gpu_kernel
 
 HIDDEN, TOP_K = 4096, 8
 
@@ -37,33 +35,10 @@ def check_kernel(tally, backend):
                 tally.compare(f"kernel {dtype} rows {rows} scale {spread}", [expected], [got])
 
 
-def check_model(tally):
+def verify():
     from mlx_vlm.models.switch_layers import MoE
-
-    from glm53_patches import registry
 
     from . import PATCH
     from .combine import make_call, switch
 
-    stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
-    compare_tiny_models(tally, MoE, "__call__", stock, make_call(stock), lambda: switch.forcing(True))
-
-
-def verify():
-    from glm53_patches.registry import backend as current_backend
-
-    from . import PATCH
-
-    start = time.perf_counter()
-    backend = current_backend()
-    tally = Tally()
-    before = PATCH.stats.snapshot()["hits"].get("kernel", 0)
-    if backend in ("cuda", "metal"):
-        check_kernel(tally, backend)
-    check_model(tally)
-    ran = PATCH.stats.snapshot()["hits"].get("kernel", 0) - before
-    if backend in ("cuda", "metal") and not ran:  # equal outputs prove nothing if stock ran both times
-        tally.mismatches.append("the kernel never ran in the model check")
-    if backend not in ("cuda", "metal"):
-        tally.notes.append("no GPU backend: the patch steps aside (stock combine)")
-    return tally.result(time.perf_counter() - start)
+    return verify_gpu_kernel(PATCH, check_kernel, MoE, make_call, switch)

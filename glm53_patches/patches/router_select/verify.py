@@ -15,11 +15,9 @@ On the CPU there is no kernel: the patch steps aside, and only check 2 runs
 (it shows the wrapper hands every call to stock unchanged).
 """
 
-import time
-
 import mlx.core as mx
 
-from glm53_patches.exactness import Tally, compare_tiny_models, same_bits
+from glm53_patches.exactness import same_bits, verify_gpu_kernel
 
 EXPERTS, TOP_K, SCALE = 288, 8, 2.5
 
@@ -59,33 +57,10 @@ def check_kernel(tally, backend):
         tally.notes.append(f"ORDER {1 - default} matched where ORDER {default} did not: {other_matches[:3]}")
 
 
-def check_model(tally):
+def verify():
     from mlx_vlm.models.glm5_next.language import MoEGate
-
-    from glm53_patches import registry
 
     from . import PATCH
     from .gate import make_call, switch
 
-    stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
-    compare_tiny_models(tally, MoEGate, "__call__", stock, make_call(stock), lambda: switch.forcing(True))
-
-
-def verify():
-    from glm53_patches.registry import backend as current_backend
-
-    from . import PATCH
-
-    start = time.perf_counter()
-    backend = current_backend()
-    tally = Tally()
-    before = PATCH.stats.snapshot()["hits"].get("kernel", 0)
-    if backend in ("cuda", "metal"):
-        check_kernel(tally, backend)
-    check_model(tally)
-    ran = PATCH.stats.snapshot()["hits"].get("kernel", 0) - before
-    if backend in ("cuda", "metal") and not ran:  # equal outputs prove nothing if stock ran both times
-        tally.mismatches.append("the kernel never ran in the model check")
-    if backend not in ("cuda", "metal"):
-        tally.notes.append("no GPU backend: the patch steps aside (stock router)")
-    return tally.result(time.perf_counter() - start)
+    return verify_gpu_kernel(PATCH, check_kernel, MoEGate, make_call, switch)

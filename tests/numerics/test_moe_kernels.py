@@ -1,0 +1,162 @@
+"""router_select and expert_combine on the CPU: the MoE kernels step aside, bit for bit.
+
+Both patches are one GPU kernel each (``glm53-patches verify`` runs them on
+the H200 / a Mac; ``router_select/host_check.py`` runs the router's body with
+g++). Here: what the CPU user gets (stock, bit for bit, every call counted
+as a fallback), each kernel's coverage rules and knob, and the router host
+check's numpy reference against the stock ``_expert_select``.
+"""
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import glm53_patches
+from glm53_patches.tiny_model import build_model, greedy_logits
+
+import glm53_patches.patches.expert_combine as expert_combine
+import glm53_patches.patches.router_select as router_select
+
+PATCHES = {"router_select": router_select.PATCH, "expert_combine": expert_combine.PATCH}
+PROMPT = mx.array([[3, 17, 42, 99, 100, 7, 8, 200, 31, 64, 77, 5]])
+
+
+def bits(a):
+    return a.view({4: mx.uint32, 2: mx.uint16}[a.dtype.size])
+
+
+@pytest.mark.parametrize("name", list(PATCHES))
+@pytest.mark.parametrize("quantize_bits", [None, 4])
+def test_on_the_cpu_stock_runs_bit_for_bit(name, quantize_bits):
+    patch = PATCHES[name]
+    language_model = build_model(quantize_bits=quantize_bits, seed=2).language_model
+    expected = greedy_logits(language_model, PROMPT, 24)
+    state = glm53_patches.enable([name], strict=True)
+    assert state[name]["state"] == "applied", state[name]
+    before = patch.stats.snapshot()["fallbacks"].get("no GPU backend", 0)
+    actual = greedy_logits(language_model, PROMPT, 24)
+    for a, b in zip(expected, actual):
+        assert mx.array_equal(bits(a), bits(b)).item()
+    stats = patch.stats.snapshot()
+    moe_layers = sum(cfg == "sparse" for cfg in language_model.model.config.mlp_layer_types)
+    assert stats["fallbacks"]["no GPU backend"] - before == moe_layers * 25  # prefill + 24 steps
+    assert "kernel" not in stats["hits"]
+
+
+@pytest.mark.parametrize("name, owner", [("router_select", "MoEGate"), ("expert_combine", "MoE")])
+def test_revert_restores_the_original_object(name, owner):
+    from mlx_vlm.models.glm5_next import language
+    from mlx_vlm.models import switch_layers
+
+    cls = getattr(language, owner, None) or getattr(switch_layers, owner)
+    original = cls.__dict__["__call__"]
+    glm53_patches.enable([name], strict=True)
+    assert cls.__dict__["__call__"] is not original
+    glm53_patches.disable([name])
+    assert cls.__dict__["__call__"] is original
+
+
+@pytest.mark.parametrize("name", list(PATCHES))
+def test_verify_on_the_cpu(name):
+    result = PATCHES[name].verify()
+    assert result["exact"] is True, result["detail"]
+    assert result["cases"] == 4 and "steps aside" in result["detail"]
+
+
+# -- router_select ------------------------------------------------------------------------------
+
+
+def test_router_kernel_coverage():
+    from glm53_patches.patches.router_select.kernel import unsupported
+
+    logits, bias = mx.zeros((2, 288)), mx.zeros((288,))
+    assert unsupported(logits, bias, 8, 1, backend="cuda") is None
+    assert unsupported(logits, bias, 8, 1, backend="metal") is None
+    assert unsupported(logits, bias, 8, 1, backend=None) == "no GPU backend"
+    assert unsupported(logits, bias, 8, 4, backend="cuda") == "grouped routing"
+    assert unsupported(mx.zeros((2, 2048)), mx.zeros((2048,)), 8, 1, backend="cuda") == "expert count"
+    assert unsupported(logits, bias, 33, 1, backend="cuda") == "top_k"
+    assert unsupported(logits.astype(mx.bfloat16), bias, 8, 1, backend="cuda") == "dtype"
+
+
+def test_router_kernel_knob(monkeypatch, caplog):
+    from glm53_patches.patches.router_select import gate
+
+    gate.clear()
+    assert gate.switch.wanted("cuda") is False  # auto, and no verify record in the test state dir
+    monkeypatch.setenv("GLM53_ROUTER_SELECT_KERNEL", "1")
+    gate.clear()
+    assert gate.switch.wanted("cuda") is True
+    assert gate.switch.wanted(None) is False  # the CPU has no kernel, whatever the knob says
+    monkeypatch.setenv("GLM53_ROUTER_SELECT_KERNEL", "sometimes")
+    gate.clear()
+    with caplog.at_level(logging.ERROR, logger="glm53_patches"):
+        assert gate.switch.wanted("cuda") is False
+    assert "GLM53_ROUTER_SELECT_KERNEL" in caplog.text and "accepted" in caplog.text
+    gate.clear()
+
+
+def test_host_check_reference_agrees_with_stock_expert_select():
+    """The numpy reference the kernel body is checked against selects what stock selects.
+
+    The CPU's argpartition does not sort, so the order is compared on the GPU
+    only; here the set of experts and the weight of each expert.
+    """
+    from mlx_vlm.models.glm5_next import language
+
+    from glm53_patches.patches.router_select.host_check import reference
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 3, (64, 288)).astype(np.float32)
+    bias = rng.normal(0, 0.1, 288).astype(np.float32)
+    indices, weights = language._expert_select(mx.array(logits), mx.array(bias), 8, 1, 1, 2.5, True)
+    ref_indices, ref_weights = reference(logits, bias, 8, True, 2.5, order=0)
+    indices, weights = np.array(indices), np.array(weights)
+    by_index, ref_by_index = np.argsort(indices, -1), np.argsort(ref_indices, -1)
+    assert np.array_equal(np.take_along_axis(indices, by_index, -1), np.take_along_axis(ref_indices, ref_by_index, -1))
+    np.testing.assert_allclose(np.take_along_axis(weights, by_index, -1),
+                               np.take_along_axis(ref_weights, ref_by_index, -1), rtol=1e-6)
+
+
+# -- expert_combine -----------------------------------------------------------------------------
+
+
+def test_other_models_moe_blocks_are_not_ours():
+    from mlx_vlm.models.switch_layers import MoE
+
+    from glm53_patches.patches.expert_combine.combine import combine_call
+
+    class OtherMoE(MoE):
+        pass
+
+    before = expert_combine.PATCH.stats.snapshot()
+    assert combine_call(OtherMoE(), mx.zeros((1, 1, 8)), (), None, {}) is None
+    assert expert_combine.PATCH.stats.snapshot() == before  # not even counted
+
+
+def test_combine_kernel_coverage():
+    from glm53_patches.patches.expert_combine.kernel import unsupported
+
+    routed, weights, shared = mx.zeros((2, 1, 8, 4096), mx.bfloat16), mx.zeros((2, 1, 8)), mx.zeros((2, 1, 4096), mx.bfloat16)
+    assert unsupported(routed, weights, shared, backend="cuda") is None
+    assert unsupported(routed, weights, shared, backend=None) == "no GPU backend"
+    assert unsupported(routed, weights, None, backend="cuda") == "dtype"
+    assert unsupported(routed, weights.astype(mx.bfloat16), shared, backend="cuda") == "weights"
+    assert unsupported(routed, weights, shared[..., :64], backend="cuda") == "shape"
+    odd = mx.zeros((2, 1, 8, 4092), mx.bfloat16)  # 8,184 bytes a row: stock sums it another way
+    assert unsupported(odd, weights, mx.zeros((2, 1, 4092), mx.bfloat16), backend="cuda") == "not col_reduce_small's case"
+    wide = mx.zeros((2, 1, 40, 4096), mx.bfloat16)
+    assert unsupported(wide, mx.zeros((2, 1, 40)), shared, backend="cuda") == "not col_reduce_small's case"
+
+
+def test_combine_kernel_knob(monkeypatch):
+    from glm53_patches.patches.expert_combine import combine
+
+    combine.clear()
+    assert combine.switch.wanted("cuda") is False  # auto, and no verify record in the test state dir
+    monkeypatch.setenv("GLM53_EXPERT_COMBINE_KERNEL", "on")
+    combine.clear()
+    assert combine.switch.wanted("cuda") is True and combine.switch.wanted(None) is False
+    combine.clear()
