@@ -5,8 +5,12 @@ kernel body, unchanged, into a C++ function and run every warp (simdgroup) as
 32 host threads. ``__shfl_xor_sync``, ``__ballot_sync`` and ``simd_sum`` exchange real values
 through a barrier, so a lane missing from a shuffle hangs (the callers time
 out). bf16 is its 16-bit pattern: widened exactly to float, narrowed to
-nearest even. ``load<T>(path, n)`` reads an input the Python side wrote.
+nearest even. ``load<T>(path, n)`` reads an input the Python side wrote;
+``build_and_run`` compiles such a program and runs it on the input files.
 """
+
+import subprocess
+import time
 
 PRELUDE = r"""
 #include <barrier>
@@ -88,3 +92,13 @@ std::vector<X> load(const char* path, size_t n) {
   return a;
 }
 """
+
+
+def build_and_run(folder, source, args, timeout):
+    """Compile ``source`` (PRELUDE + a program) with g++ in ``folder``, run it with ``args``; the run's seconds."""
+    cpp, binary = folder / "body.cpp", folder / "body"
+    cpp.write_text(source)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(binary), str(cpp)], check=True)
+    start = time.perf_counter()
+    subprocess.run([str(binary), *map(str, args)], check=True, timeout=timeout)
+    return time.perf_counter() - start

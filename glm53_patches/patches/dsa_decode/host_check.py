@@ -14,14 +14,13 @@ fewer pools than the row, a padded query, ties at the selection boundary,
 NaN scores, no valid key, and all pools selected. Needs g++ on PATH.
 """
 
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from glm53_patches.kernels.host_emulation import PRELUDE
+from glm53_patches.kernels.host_emulation import PRELUDE, build_and_run
 
 from . import select_kernel
 
@@ -139,10 +138,7 @@ def run_case(tmp, scores, key_valid, pool_limit, query_valid, select_k, kpool, t
         "helpers": select_kernel.HELPERS, "body": select_kernel.SELECT_BODY, "B": batch, "T": keys, "P": pools,
         "W": topk + tail, "KPOOL": kpool, "TOPK": topk, "TAIL": tail,
     }
-    (tmp / "body.cpp").write_text(source)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(tmp / "body"), str(tmp / "body.cpp")],
-                   check=True)
-    subprocess.run([str(tmp / "body"), *map(str, paths)], check=True, timeout=300)
+    build_and_run(tmp, source, paths, timeout=300)
     got = np.fromfile(paths[-1], dtype=np.int32).reshape(batch, topk + tail)
     want = reference(scores, key_valid, pool_limit, query_valid, select_k, kpool, topk, tail)
     return bool(np.array_equal(got, want)), got, want

@@ -17,14 +17,13 @@ the GPU compilers (NVRTC, Metal) themselves, MLX's generated signature, and
 speed. Needs g++ on PATH; not part of the test suite.
 """
 
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from glm53_patches.kernels.host_emulation import PRELUDE
+from glm53_patches.kernels.host_emulation import PRELUDE, build_and_run
 
 from . import kernels
 
@@ -110,9 +109,7 @@ def _case(tmp, batch, length, pools, heads, dim, dtype, masked, rng):
         "H": heads, "D": dim, "HAS_MASK": "true" if masked else "false", "T": "bf16" if dtype == "bf16" else "float",
         "threads": threads, "block": block,
     }
-    (tmp / "k.cpp").write_text(source)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(tmp / "k"), str(tmp / "k.cpp")], check=True)
-    subprocess.run([str(tmp / "k"), *map(str, paths)], check=True, timeout=120)
+    build_and_run(tmp, source, paths, timeout=120)
     out = np.fromfile(paths[-1], dtype=np.float32).reshape(2, batch, length, pools)
     dots = q.astype(np.float64) @ keys.astype(np.float64)[:, None].swapaxes(-1, -2)
     reference = (np.maximum(dots, 0) * ws.astype(np.float64)[..., None]).sum(axis=2)

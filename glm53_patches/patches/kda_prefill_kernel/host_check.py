@@ -37,12 +37,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from glm53_patches.kernels.host_emulation import PRELUDE
+from glm53_patches.kernels.host_emulation import PRELUDE, build_and_run
 
 from . import cuda
 
@@ -165,11 +164,7 @@ def _case(tmp, rng, batch, length, heads, dk, dv, dtype, padding):
         "HAS_MASK": "true" if padding is not None else "false", "InT": "bf16" if dtype == "bf16" else "float",
         "RPW": rows, "block": min(cuda.THREADS, batch * heads * (dv // rows) * 32),
     }
-    (tmp / "body.cpp").write_text(source)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(tmp / "body"), str(tmp / "body.cpp")], check=True)
-    start = time.perf_counter()
-    subprocess.run([str(tmp / "body"), *map(str, paths)], check=True, timeout=300)
-    ran = time.perf_counter() - start
+    ran = build_and_run(tmp, source, paths, timeout=300)
     out = np.fromfile(paths[-1], dtype=np.float32)
     n_y = batch * length * heads * dv
     y, s = out[:n_y].reshape(batch, length, heads, dv), out[n_y:].reshape(batch, heads, dv, dk)

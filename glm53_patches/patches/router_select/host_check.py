@@ -16,14 +16,13 @@ check: that the order and the weight sum match MLX on a GPU (``verify`` and
 are compared to 2 ulps. Needs g++ on PATH.
 """
 
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from glm53_patches.kernels.host_emulation import PRELUDE
+from glm53_patches.kernels.host_emulation import PRELUDE, build_and_run
 
 from . import kernel
 
@@ -125,10 +124,7 @@ def run_case(tmp, logits, bias, top_k, norm, order, scale=2.5):
         "before": kernel.BEFORE, "body": kernel.SELECT_BODY, "E": experts, "K": top_k, "R": rows,
         "NORM": "true" if norm else "false", "ORDER": order, "SUMCHUNK": 4,
     }
-    (tmp / "body.cpp").write_text(source)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(tmp / "body"), str(tmp / "body.cpp")],
-                   check=True)
-    subprocess.run([str(tmp / "body"), *map(str, paths)], check=True, timeout=120)
+    build_and_run(tmp, source, paths, timeout=120)
     out = np.fromfile(paths[-1], dtype=np.int32)
     indices = out[: rows * top_k].reshape(rows, top_k)
     weights = out[rows * top_k:].view(np.float32).reshape(rows, top_k)
