@@ -234,12 +234,13 @@ def test_selection_kernel_coverage_and_knob(monkeypatch):
     from glm53_patches.patches.dsa_decode import decode
     from glm53_patches.patches.dsa_decode.select_kernel import MAX_POOLS, unsupported
 
-    scores, valid = mx.zeros((2, 256)), mx.ones((2, 4096), dtype=mx.bool_)
-    assert unsupported(scores, valid, backend="cuda") is None
-    assert unsupported(scores, valid, backend=None) == "no GPU backend"
-    assert unsupported(scores.astype(mx.bfloat16), valid, backend="cuda") == "score dtype"
-    assert unsupported(mx.zeros((2, 0)), valid, backend="cuda") == "empty"
-    assert unsupported(mx.zeros((2, MAX_POOLS + 1)), valid, backend="cuda") is not None
+    assert unsupported(256, 4096, backend="cuda") is None
+    assert unsupported(256, 4096, backend=None) == "no GPU backend"
+    assert unsupported(256, 4096, mx.bfloat16, backend="cuda") == "score dtype"
+    assert unsupported(0, 4096, backend="cuda") == "empty"
+    assert unsupported(256, 0, backend="cuda") == "empty"
+    assert unsupported(MAX_POOLS, 16 * MAX_POOLS, backend="cuda") is None
+    assert unsupported(MAX_POOLS + 1, 16 * MAX_POOLS + 16, backend="cuda") is not None
     decode.clear()
     assert decode.kernel_wanted("cuda") is False  # auto: no verify record in the test state dir
     monkeypatch.setenv("GLM53_DSA_DECODE_KERNEL", "1")

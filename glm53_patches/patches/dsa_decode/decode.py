@@ -115,13 +115,18 @@ def _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache
     if not kernel_wanted(backend):
         return None
     batch, pool_count = pool_keys.shape[:2]
-    if select_k < pool_count:
-        q, weights = self._project_queries(x, q_resid)
-        scores = _lang._score_index_keys(q, pool_keys, weights, self.softmax_scale).reshape(batch, pool_count)
-    else:  # every pool is selected: stock computes no score
-        scores = mx.zeros((batch, pool_count), dtype=mx.float32)
-    reason = select_kernel.unsupported(scores, key_valid, backend)
-    if reason is not None:  # the lazy scores are never evaluated
+    key_count = key_valid.shape[1]
+    # The shape gate before any score work: where it declines (e.g. long
+    # contexts), the compiled path builds the scores itself, once.
+    reason = select_kernel.unsupported(pool_count, key_count, backend=backend)
+    if reason is None:
+        if select_k < pool_count:
+            q, weights = self._project_queries(x, q_resid)
+            scores = _lang._score_index_keys(q, pool_keys, weights, self.softmax_scale).reshape(batch, pool_count)
+        else:  # every pool is selected: stock computes no score
+            scores = mx.zeros((batch, pool_count), dtype=mx.float32)
+        reason = select_kernel.unsupported(pool_count, key_count, scores.dtype, backend)
+    if reason is not None:  # any scores built above are never evaluated
         stats.fallback(f"kernel: {reason} (compiled path ran)")
         return None
     if isinstance(pool_cache.offset, mx.array):

@@ -201,16 +201,16 @@ def _kernel(backend: str):
     return kernel
 
 
-def unsupported(scores, key_valid, backend=None) -> Optional[str]:
-    """Why the kernel does not cover this selection, or None when it does."""
+def unsupported(pool_count, key_count, score_dtype=mx.float32, backend=None) -> Optional[str]:
+    """Why the kernel does not cover a selection over these pools and keys, or None when it does."""
     backend = gpu_backend() if backend is None else backend
     if backend not in ("cuda", "metal"):
         return "no GPU backend"
-    if scores.dtype != mx.float32:
+    if score_dtype != mx.float32:
         return "score dtype"
-    if key_valid.shape[1] == 0 or scores.shape[1] == 0:
+    if key_count == 0 or pool_count == 0:
         return "empty"
-    if scores.shape[1] > MAX_POOLS:
+    if pool_count > MAX_POOLS:
         return "more pools than the kernel is faster for"
     return None
 
