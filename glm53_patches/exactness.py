@@ -71,13 +71,23 @@ class Tally:
 
 
 def _served_dtype(model, dtype):
-    """The model's floats in ``dtype``, except the router's weight and bias, which glm5_next keeps fp32."""
+    """The model's floats in ``dtype`` as a converted checkpoint stores them.
+
+    mlx-vlm's convert keeps the paths glm5_next's ``cast_predicate`` excludes
+    (A_log, dt_bias, the router bias, hyper-connections, the pool compressor)
+    in float32; the router's weight stays float32 too (glm5_next computes
+    its logits in float32).
+    """
+    from mlx.utils import tree_flatten
+
+    language = model.language_model
+    keep = [(path, value) for path, value in tree_flatten(language.parameters()) if not language.cast_predicate(path)]
     model.set_dtype(dtype)
-    for layer in model.language_model.model.layers:
+    language.load_weights(keep, strict=False)
+    for layer in language.model.layers:
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None:
             gate.weight = gate.weight.astype(mx.float32)
-            gate.e_score_correction_bias = gate.e_score_correction_bias.astype(mx.float32)
     return model
 
 

@@ -36,7 +36,7 @@ _SCALARS = (bool, int, float, str, type(None))
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 
-def _leaves(attn):
+def layer_leaves(attn):
     """The modules whose parameters the mixer reads (a Module is a dict of its children)."""
     return (
         attn["qkv_proj"],
@@ -69,7 +69,7 @@ def _configuration(attn, leaves):
     )
 
 
-def _cached_configuration(attn, leaves):
+def layer_configuration(attn, leaves):
     """``_configuration`` memoized per live module, validated by identity."""
     entry = _CONFIGS.get(id(attn))
     if (
@@ -90,7 +90,14 @@ def _cached_configuration(attn, leaves):
     return configuration
 
 
-def _bind(skeleton, params):
+def skeleton(module):
+    """A parameter-free copy of ``module``: its class and settings, no weights."""
+    copy_ = copy.copy(module)
+    dict.clear(copy_)
+    return copy_
+
+
+def bind(skeleton, params):
     """A copy of a parameter-free module with ``params`` (traced arrays) as parameters."""
     clone = copy.copy(skeleton)
     dict.update(clone, params)
@@ -99,9 +106,7 @@ def _bind(skeleton, params):
 
 def _build(attn, leaves, has_mask):
     """mx.compile the mixer for one layer configuration (it traces on first call)."""
-    skeletons = tuple(copy.copy(m) for m in leaves)
-    for skeleton in skeletons:
-        dict.clear(skeleton)  # keep the class and settings, hold no weights
+    skeletons = tuple(skeleton(m) for m in leaves)
     num_heads, head_dim = attn.num_heads, attn.head_dim
     keep = attn.qkv_conv.kernel_size - 1
     lower_bound = attn.lower_bound
@@ -109,7 +114,7 @@ def _build(attn, leaves, has_mask):
 
     def mixer(x, window, state, params, A_log, dt_bias, scales, mask=None):
         stats.hit("trace")  # Python runs only while mx.compile traces
-        qkv_proj, conv, fbg_a_proj, f_b_proj, g_b_proj, o_norm, o_proj = map(_bind, skeletons, params)
+        qkv_proj, conv, fbg_a_proj, f_b_proj, g_b_proj, o_norm, o_proj = map(bind, skeletons, params)
         # -- Glm5NextLinearAttention.__call__ (L == 1, not training) --
         batch, length, _ = x.shape
         if mask is not None:  # bool, checked by the caller
@@ -168,7 +173,7 @@ def _scales(scale):
     return mx.array(scale**2, dtype=mx.float32), mx.array(scale, dtype=mx.float32)
 
 
-def _why_not(attn, x, mask, cache):
+def why_not(attn, x, mask, cache):
     """The reason to run stock code, or None when the fast path applies."""
     if x.ndim != 3 or x.shape[1] != 1:
         return "length"
@@ -203,12 +208,12 @@ def decode_step(attn, x, mask=None, cache=None):
 
     Returns None, having touched nothing, where the stock code must run.
     """
-    reason = _why_not(attn, x, mask, cache)
+    reason = why_not(attn, x, mask, cache)
     if reason is not None:
         stats.fallback(reason)
         return None
-    leaves = _leaves(attn)
-    key = (_cached_configuration(attn, leaves), mask is not None)
+    leaves = layer_leaves(attn)
+    key = (layer_configuration(attn, leaves), mask is not None)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = _build(attn, leaves, mask is not None)

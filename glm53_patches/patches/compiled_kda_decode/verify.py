@@ -16,23 +16,29 @@ import mlx.nn as nn
 STEPS = 16
 
 
-def _layer(dtype, bits, seed):
+SMALL = (256, 4, 64)  # hidden size, heads, head dim
+
+
+def _layer(dtype, bits, seed, dims=SMALL):
     from mlx.utils import tree_map
     from mlx_vlm.models.glm5_next.config import TextConfig
     from mlx_vlm.models.glm5_next.language import Glm5NextLinearAttention
 
+    hidden, heads, head_dim = dims
     config = TextConfig(
-        hidden_size=256,
+        hidden_size=hidden,
         num_hidden_layers=4,
-        linear_attn_config={"head_dim": 64, "num_heads": 4, "short_conv_kernel_size": 4},
+        linear_attn_config={"head_dim": head_dim, "num_heads": heads, "short_conv_kernel_size": 4},
     )
     layer = Glm5NextLinearAttention(config)
     mx.random.seed(seed)
     layer.update(tree_map(lambda p: 0.2 * mx.random.normal(p.shape), layer.parameters()))
     if bits:
         nn.quantize(layer, group_size=64, bits=bits)
-    if dtype != mx.float32:
+    if dtype != mx.float32:  # as mlx-vlm's convert stores it: A_log and dt_bias stay float32
+        gate_params = layer.A_log, layer.dt_bias
         layer.set_dtype(dtype)
+        layer.A_log, layer.dt_bias = gate_params
     layer.eval()
     return layer
 
@@ -41,20 +47,21 @@ def _bits(a):
     return a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize])
 
 
-def check_case(stock, fast, dtype, bits, padding, seed):
+def check_case(stock, fast, dtype, bits, padding, seed, dims=SMALL):
     """One case: {"patch": first mismatch, "control": first stock-vs-stock difference, "worst": max |d|}."""
     from mlx_vlm.models.cache import ArraysCache
 
-    layer = _layer(dtype, bits, seed=seed)
+    layer = _layer(dtype, bits, seed=seed, dims=dims)
+    hidden = dims[0]
     batch = 1 if padding is None else len(padding)
     # stock, stock again (the control: is stock itself repeatable here?), patched
     caches = [ArraysCache(2, left_padding=padding) for _ in range(3)]
-    prompt = mx.random.normal((batch, 5, 256)).astype(dtype)
+    prompt = mx.random.normal((batch, 5, hidden)).astype(dtype)
     for cache in caches:
         stock(layer, prompt, cache.make_mask(5), cache)
     found = {"worst": 0.0}
     for step in range(STEPS):
-        x = mx.random.normal((batch, 1, 256)).astype(dtype)
+        x = mx.random.normal((batch, 1, hidden)).astype(dtype)
         a = stock(layer, x, caches[0].make_mask(1), caches[0])
         again = stock(layer, x, caches[1].make_mask(1), caches[1])
         b = fast(layer, x, caches[2].make_mask(1), caches[2])

@@ -1,0 +1,325 @@
+"""A KDA decode step after the projections and the conv, as one GPU launch: CUDA and Metal twins.
+
+For one token, stock turns the depthwise conv's output and the projections
+``a``, ``b``, ``gate`` into the mixer's output and the new recurrent state in
+about 20 kernels: SiLU, two ``rms_norm``s and their scales, ``sigmoid(b)``,
+``compute_g_safe``, the delta-rule step (decay, two row sums, the update),
+the cast, the output ``rms_norm``, ``sigmoid(gate)`` and the product. Here one
+block per (batch row, head) does all of it, each value rounded where stock
+rounds it:
+
+* bf16 ops (SiLU, the norms' outputs and scales, the gate) call MLX's own
+  functors on ``__nv_bfloat16`` (CUDA), so they are stock's code;
+* ``rms_norm`` sums squares as MLX's ``rms_norm_small`` does: 8 values per
+  lane (16-byte loads), then the warp tree; ``FMA_NORM`` says whether those
+  partial sums are fma chains (nvcc contracts ``normalizer += t * t``);
+* the delta rule is stock's CUDA/CPU ops path (``_gated_delta_step_ops``):
+  each row sum of 128 float32 products is MLX's ``row_reduce_simple``:
+  4 values per lane added in order from 0, then the warp tree (offsets 16
+  down to 1). Products and sums use ``__fmul_rn`` / ``__fadd_rn`` because
+  stock materialises the products before summing them; NVRTC would
+  otherwise fuse them into fmas (the expert_combine lesson). ``FMA_STATE``
+  says whether stock's fused ``state + k * delta`` kernel is an fma.
+
+Which FMA_* values reproduce stock on a machine is what ``verify`` checks
+(it tries the others when the default fails and says which matched).
+
+Metal: the recurrence follows the stock Metal kernel (``gated_delta_kernel``)
+statement by statement and ``simd_sum``; the norms follow MLX's Metal
+``rms_single_row`` (4 values per lane). It has not run on any Mac: it runs
+only where ``glm53-patches verify fused_kda_kernel`` passed there.
+"""
+
+import functools
+from typing import Optional
+
+import mlx.core as mx
+
+from glm53_patches.kernels import hc_sinkhorn
+
+gpu_backend = hc_sinkhorn.gpu_backend
+compiled_constant = hc_sinkhorn.compiled_constant
+
+ROWS_PER_WARP = 4  # a head's D state rows are spread over D / 4 warps
+MAX_HEAD_DIM = 128  # one lane holds 4 of a row's values (CUDA: 8 of a norm's)
+
+# FMA_NORM, FMA_STATE (see the module doc); verify tries the others.
+DEFAULT_FMA = {"cuda": (1, 1), "metal": (0, 0)}
+
+# One body for CUDA, Metal and the host check; KD_* macros are the backend's
+# primitives. Template constants: H, D, FMA_NORM, FMA_STATE, HAS_MASK.
+BODY = r"""
+  constexpr int W = D / 4;  // warps per block, 4 state rows each
+  const int bh = (int)KD_BLOCK;
+  const int b = bh / H;
+  const int h = bh % H;
+  const int lane = (int)KD_THREAD % 32;
+  const int warp = (int)KD_THREAD / 32;
+  KD_SHARED float y_row[D];
+
+  KD_DEVICE const KD_BF16* q_in = conv_out + (size_t)b * 3 * H * D + h * D;
+  KD_DEVICE const KD_BF16* k_in = q_in + H * D;
+  KD_DEVICE const KD_BF16* v_in = k_in + H * D;
+  const bool live = HAS_MASK ? mask[b] : true;
+
+  // rms_norm's normalizer of q and of k (SiLU first, as stock's conv output).
+  float sq = 0.0f;
+  float sk = 0.0f;
+  if (lane * NORM_READS < D) {
+    for (int i = 0; i < NORM_READS; ++i) {
+      const float xq = KD_TO_F(KD_SILU(q_in[lane * NORM_READS + i]));
+      const float xk = KD_TO_F(KD_SILU(k_in[lane * NORM_READS + i]));
+      sq = KD_NORM_ACC(sq, xq);
+      sk = KD_NORM_ACC(sk, xk);
+    }
+  }
+  sq = KD_LANE_SUM(sq);
+  sk = KD_LANE_SUM(sk);
+  const float nq = KD_RSQRT(KD_ADD(KD_DIV(sq, (float)D), consts[0]));
+  const float nk = KD_RSQRT(KD_ADD(KD_DIV(sk, (float)D), consts[0]));
+
+  // This lane's 4 key-dim values of q, k (normed, scaled) and the gate g.
+  float qv[4], kv[4], gv[4];
+  const float decay_rate = KD_EXP_F(A_log[h]);
+  for (int i = 0; i < 4; ++i) {
+    const int e = 4 * lane + i;
+    if (e < D) {
+      const KD_BF16 qn = KD_BF_MUL(KD_ONE, KD_TO_BF(KD_MUL(KD_TO_F(KD_SILU(q_in[e])), nq)));
+      const KD_BF16 kn = KD_BF_MUL(KD_ONE, KD_TO_BF(KD_MUL(KD_TO_F(KD_SILU(k_in[e])), nk)));
+      qv[i] = KD_TO_F(KD_BF_MUL(scales[0], qn));
+      kv[i] = KD_TO_F(KD_BF_MUL(scales[1], kn));
+      // compute_g_safe: exp(lower_bound * sigmoid(exp(A_log) * (a + dt_bias))).
+      const float x = KD_ADD(KD_TO_F(a[((size_t)b * H + h) * D + e]), dt_bias[h * D + e]);
+      gv[i] = KD_EXP_F(KD_MUL(consts[2], KD_SIGMOID_F(KD_MUL(decay_rate, x))));
+    } else {
+      qv[i] = kv[i] = gv[i] = 0.0f;
+    }
+  }
+  const float beta = KD_TO_F(KD_SIGMOID_BF(beta_logit[bh]));
+
+  // The delta rule, one state row (value dim) at a time per warp.
+  for (int dv = warp; dv < D; dv += W) {
+    const size_t row = ((size_t)bh * D + dv) * D;
+    float s[4];
+    float kv_mem = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+      const int e = 4 * lane + i;
+      s[i] = e < D ? state[row + e] : 0.0f;
+      s[i] = KD_MUL(s[i], gv[i]);
+      kv_mem = KD_MAC(kv_mem, s[i], kv[i]);
+    }
+    kv_mem = KD_LANE_SUM(kv_mem);
+    const float delta = KD_MUL(KD_SUB(KD_TO_F(KD_SILU(v_in[dv])), kv_mem), beta);
+    float y = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+      const int e = 4 * lane + i;
+      s[i] = KD_STATE_UPDATE(s[i], kv[i], delta);
+      y = KD_MAC(y, s[i], qv[i]);
+      if (e < D) {
+        state_out[row + e] = live ? s[i] : state[row + e];
+      }
+    }
+    y = KD_LANE_SUM(y);
+    if (lane == 0) {
+      y_row[dv] = KD_TO_F(KD_Y_CAST(live, y));
+    }
+  }
+  KD_BARRIER;
+
+  // o_norm(y) * sigmoid(gate), by the first warp.
+  if (warp == 0) {
+    float so = 0.0f;
+    if (lane * NORM_READS < D) {
+      for (int i = 0; i < NORM_READS; ++i) {
+        so = KD_NORM_ACC(so, y_row[lane * NORM_READS + i]);
+      }
+    }
+    so = KD_LANE_SUM(so);
+    const float no = KD_RSQRT(KD_ADD(KD_DIV(so, (float)D), consts[1]));
+    for (int e = lane; e < D; e += 32) {
+      const KD_BF16 normed = KD_BF_MUL(o_weight[e], KD_TO_BF(KD_MUL(y_row[e], no)));
+      const size_t at = ((size_t)b * H + h) * D + e;
+      out[at] = KD_BF_MUL(normed, KD_SIGMOID_BF(gate[at]));
+    }
+  }
+"""
+
+CUDA_HEADER = r"""
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+"""
+
+# MLX's functors and the rounding points of its kernels (module doc).
+CUDA_SOURCE = (
+    r"""
+#define KD_BLOCK blockIdx.x
+#define KD_THREAD threadIdx.x
+#define KD_SHARED __shared__
+#define KD_DEVICE
+#define KD_BARRIER __syncthreads()
+#define KD_BF16 __nv_bfloat16
+#define KD_ONE __float2bfloat16(1.0f)
+#define KD_TO_F(x) static_cast<float>(x)
+#define KD_TO_BF(x) static_cast<__nv_bfloat16>(x)
+#define KD_SILU(x) Multiply{}((x), Sigmoid{}(x))
+#define KD_SIGMOID_BF(x) Sigmoid{}(x)
+#define KD_SIGMOID_F(x) Sigmoid{}(x)
+#define KD_EXP_F(x) Exp{}(x)
+#define KD_BF_MUL(a, b) Multiply{}((a), (b))
+#define KD_MUL(a, b) __fmul_rn((a), (b))
+#define KD_ADD(a, b) __fadd_rn((a), (b))
+#define KD_SUB(a, b) __fsub_rn((a), (b))
+#define KD_DIV(a, b) __fdiv_rn((a), (b))
+#define KD_RSQRT(x) rsqrtf(x)
+#define KD_MAC(acc, a, b) __fadd_rn((acc), __fmul_rn((a), (b)))
+#define KD_NORM_ACC(acc, x) (FMA_NORM ? __fmaf_rn((x), (x), (acc)) : __fadd_rn((acc), __fmul_rn((x), (x))))
+#define KD_STATE_UPDATE(s, k, d) (FMA_STATE ? __fmaf_rn((k), (d), (s)) : __fadd_rn((s), __fmul_rn((k), (d))))
+#define KD_Y_CAST(live, y) static_cast<__nv_bfloat16>(y)
+#define NORM_READS 8
+"""
+    + r"""
+#define KD_LANE_SUM(v) kd_warp_tree(v)
+"""
+    + BODY
+)
+
+# Warp tree of MLX's cg::reduce: partner at offsets 16, 8, 4, 2, 1.
+CUDA_HELPERS = r"""
+__device__ __forceinline__ float kd_warp_tree(float v) {
+  for (int off = 16; off > 0; off >>= 1) {
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
+  }
+  return v;
+}
+"""
+
+# Metal: MLX's bf16 ops round each step; the stock Metal recurrence zeroes y
+# on masked rows (the ops path does not).
+METAL_SOURCE = (
+    r"""
+#define KD_BLOCK threadgroup_position_in_grid.x
+#define KD_THREAD thread_position_in_threadgroup.x
+#define KD_SHARED threadgroup
+#define KD_DEVICE device
+#define KD_BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)
+#define KD_BF16 bfloat16_t
+#define KD_ONE static_cast<bfloat16_t>(1.0f)
+#define KD_TO_F(x) static_cast<float>(x)
+#define KD_TO_BF(x) static_cast<bfloat16_t>(x)
+#define KD_SILU(x) kd_bf_mul((x), kd_sigmoid_bf(x))
+#define KD_SIGMOID_BF(x) kd_sigmoid_bf(x)
+#define KD_SIGMOID_F(x) kd_sigmoid_f(x)
+#define KD_EXP_F(x) metal::exp(x)
+#define KD_BF_MUL(a, b) kd_bf_mul((a), (b))
+#define KD_MUL(a, b) ((a) * (b))
+#define KD_ADD(a, b) ((a) + (b))
+#define KD_SUB(a, b) ((a) - (b))
+#define KD_DIV(a, b) ((a) / (b))
+#define KD_RSQRT(x) metal::precise::rsqrt(x)
+#define KD_MAC(acc, a, b) ((acc) + (a) * (b))
+#define KD_NORM_ACC(acc, x) ((acc) + (x) * (x))
+#define KD_STATE_UPDATE(s, k, d) ((s) + (k) * (d))
+#define KD_Y_CAST(live, y) static_cast<bfloat16_t>((live) ? (y) : 0.0f)
+#define KD_LANE_SUM(v) simd_sum(v)
+#define NORM_READS 4
+"""
+    + BODY
+)
+
+METAL_HEADER = r"""
+inline bfloat16_t kd_bf_mul(bfloat16_t a, bfloat16_t b) {
+  return static_cast<bfloat16_t>(static_cast<float>(a) * static_cast<float>(b));
+}
+inline float kd_sigmoid_f(float x) {
+  float y = 1 / (1 + metal::exp(metal::abs(x)));
+  return (x < 0) ? y : 1 - y;
+}
+// MLX's Metal Sigmoid on bfloat16_t: each step rounded to bf16.
+inline bfloat16_t kd_sigmoid_bf(bfloat16_t x) {
+  const bfloat16_t e = static_cast<bfloat16_t>(metal::exp(metal::abs(static_cast<float>(x))));
+  const bfloat16_t d = static_cast<bfloat16_t>(1.0f + static_cast<float>(e));
+  const bfloat16_t y = static_cast<bfloat16_t>(1.0f / static_cast<float>(d));
+  return static_cast<float>(x) < 0 ? y : static_cast<bfloat16_t>(1.0f - static_cast<float>(y));
+}
+"""
+
+INPUTS = ["conv_out", "a", "beta_logit", "gate", "state", "A_log", "dt_bias", "o_weight", "scales", "consts", "mask"]
+OUTPUTS = ["out", "state_out"]
+
+_kernels = {}
+
+
+def _kernel(backend: str):
+    kernel = _kernels.get(backend)
+    if kernel is None:
+        common = dict(name="glm53_fused_kda", input_names=INPUTS, output_names=OUTPUTS, ensure_row_contiguous=True)
+        if backend == "cuda":
+            kernel = mx.fast.cuda_kernel(source=CUDA_SOURCE, header=CUDA_HEADER + CUDA_HELPERS, **common)
+        elif backend == "metal":
+            kernel = mx.fast.metal_kernel(source=METAL_SOURCE, header=METAL_HEADER, **common)
+        else:
+            raise ValueError(f"no fused_kda kernel for backend {backend!r}")
+        _kernels[backend] = kernel
+    return kernel
+
+
+def unsupported(dtype, state, heads, head_dim, lower_bound, gate_params, backend=None) -> Optional[str]:
+    """Why the kernel does not cover a decode step, or None when it does.
+
+    dtype: the activations'; state: the recurrent state; gate_params: the
+    layer's A_log and dt_bias (stock's float32 path is the one reproduced).
+    """
+    backend = gpu_backend() if backend is None else backend
+    if backend not in ("cuda", "metal"):
+        return "no GPU backend"
+    if dtype != mx.bfloat16 or state.dtype != mx.float32:
+        return "dtype"
+    if any(p.dtype != mx.float32 for p in gate_params):
+        return "A_log / dt_bias not float32"
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        return "head dim"
+    if lower_bound is None:
+        return "no lower bound (compute_g)"
+    if state.shape[1:] != (heads, head_dim, head_dim):
+        return "shape"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def constants(eps_qk, eps_out, lower_bound, scale):
+    """(float32 [eps q/k norms, eps output norm, lower bound], bf16 [scale**2, scale]) as stock rounds them.
+
+    rms_norm's eps is a C++ float; compute_g_safe reads ``lower_bound`` as a
+    compiled constant; stock multiplies bf16 arrays by the Python floats
+    ``scale**2`` and ``scale``, which MLX rounds float64 -> float32 -> bf16.
+    Made once, outside any trace (``compiled_constant`` evaluates).
+    """
+    consts = mx.array([eps_qk, eps_out, compiled_constant(lower_bound)], dtype=mx.float32)
+    scales = mx.array([scale**2, scale], dtype=mx.float32).astype(mx.bfloat16)
+    mx.eval(consts, scales)
+    return consts, scales
+
+
+def fused_kda_step(conv, a, beta_logit, gate, state, A_log, dt_bias, o_weight, consts, scales, mask=None,
+                   *, backend=None, fma=None):
+    """``(out [B, H*D] bf16, new state [B, H, D, D] float32)``; check ``unsupported`` first.
+
+    conv: the depthwise conv's output before SiLU, [B, 3*H*D]; a, gate:
+    [B, H*D]; beta_logit: [B, H] (all bf16); A_log [H], dt_bias [H*D]
+    float32; o_weight [D] bf16; mask: [B] bool or None.
+    """
+    backend = gpu_backend() if backend is None else backend
+    fma_norm, fma_state = DEFAULT_FMA[backend] if fma is None else fma
+    batch, heads, head_dim = state.shape[0], state.shape[1], state.shape[-1]
+    has_mask = mask is not None
+    warps = head_dim // ROWS_PER_WARP
+    return _kernel(backend)(
+        inputs=[conv, a, beta_logit, gate, state, A_log, dt_bias, o_weight, scales, consts,
+                mask if has_mask else mx.ones((1,), dtype=mx.bool_)],
+        template=[("H", heads), ("D", head_dim), ("FMA_NORM", int(fma_norm)), ("FMA_STATE", int(fma_state)),
+                  ("HAS_MASK", has_mask)],
+        grid=(batch * heads * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(batch, heads * head_dim), state.shape],
+        output_dtypes=[mx.bfloat16, mx.float32],
+    )
