@@ -18,7 +18,7 @@ PATCH = Patch(
         "cumsum and gathers; the attention gathers the selected latent rows as whole rows "
         "instead of a per-element take_along_axis. On a GPU where `glm53-patches verify "
         "dsa_decode` passed, the selection after the pool scores is one kernel launch "
-        "(up to 1,024 pools). Bit-identical to stock."
+        "(up to 8,192 pools, 131k keys). Bit-identical to stock."
     ),
     targets={
         f"{GLM5_NEXT}:Glm5NextIndexer.__call__": lazy(f"{__name__}.decode", "make_call"),

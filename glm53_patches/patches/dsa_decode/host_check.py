@@ -1,17 +1,23 @@
 """Run the selection kernel's body on the host: ``python -m glm53_patches.patches.dsa_decode.host_check``.
 
-The body (``select_kernel.SELECT_BODY`` with ``HELPERS``, the text the CUDA
-and Metal kernels are made of) is compiled unchanged into a C++ program with
-g++ (``glm53_patches/kernels/host_emulation.py``: each warp runs as 32 host
-threads). Its output is compared with ``reference``, numpy's statement of
-what stock's indexer returns at decode under a stable sort
+The CUDA kernel's text (``select_kernel.CUDA_HEADER`` and ``CUDA_SOURCE``:
+its macros around ``HELPERS`` and ``SELECT_BODY``, the body Metal shares) is
+compiled unchanged into a C++ program with g++
+(``glm53_patches/kernels/host_emulation.py``: each block runs as one host
+thread per GPU thread, with per-warp barriers for shuffles and ballots, a
+block barrier for ``__syncthreads`` and ``__shared__`` arrays as statics).
+Its output is compared with ``reference``, numpy's statement of what stock's
+indexer returns at decode under a stable sort
 (``tests/numerics/test_dsa_decode.py`` checks that reference against the
 stock indexer on the CPU).
 
-Cases: real widths (kpool 16, topk 2048, tail 15) at 4k and 33k keys; small
-widths with batch rows whose key validity has holes, a pool cache holding
-fewer pools than the row, a padded query, ties at the selection boundary,
-NaN scores, no valid key, and all pools selected. Needs g++ on PATH.
+Cases: real widths (kpool 16, topk 2048, tail 15) at 4k, 33k, 66k and 131k
+keys (256 to 8,192 pools, most not a multiple of the block size), with holes
+in the key validity, short pool caches (one shorter than ``select_k``), a
+padded query, ties at the boundary among -0 and +0, and NaN past it; small
+widths with holes, a short pool cache, a padded query, ties, NaN scores, no
+valid key and all pools selected, each also at 1 and 3 warps per block.
+Needs g++ on PATH.
 """
 
 import sys
@@ -25,20 +31,14 @@ from glm53_patches.kernels.host_emulation import PRELUDE, build_and_run
 from . import select_kernel
 
 PROGRAM = r"""
-#define SEL_ROW blockIdx.x
-#define SEL_LANE threadIdx.x
-#define SEL_DEVICE
-#define SEL_SHFL_XOR(v, off) __shfl_xor_sync(0xffffffffu, v, off)
-#define SEL_BALLOT(x) __ballot_sync(0xffffffffu, x)
-#define SEL_POPC(x) __popc(x)
-#define SEL_INLINE inline
-#define SEL_AS_UINT(v) __float_as_uint(v)
-%(helpers)s
+#define __device__
+#define __forceinline__ inline
+%(header)s
 
-template <int KPOOL, int TOPK, int TAIL>
+template <int KPOOL, int TOPK, int TAIL, int WARPS>
 void body(const float* scores, const bool* key_valid, const int* pool_limit, const bool* query_valid,
           const int* dims, int* topk) {
-%(body)s
+%(source)s
 }
 
 int main(int argc, char** argv) {
@@ -50,21 +50,10 @@ int main(int argc, char** argv) {
   auto dims = load<int>(argv[5], 3);
   std::vector<char> kv(kv_bytes.begin(), kv_bytes.end()), qv(qv_bytes.begin(), qv_bytes.end());
   std::vector<int> out(B * W, -7);  // poison: every slot must be written
-  std::barrier<> barrier(32);
-  warp_barrier = &barrier;
-  std::vector<std::thread> lanes;
-  for (int lane = 0; lane < 32; ++lane) {
-    lanes.emplace_back([&, lane] {
-      for (int row = 0; row < B; ++row) {
-        blockIdx = {unsigned(row), 0, 0};
-        blockDim = {32, 1, 1};
-        threadIdx = {unsigned(lane), 0, 0};
-        body<%(KPOOL)d, %(TOPK)d, %(TAIL)d>(scores.data(), reinterpret_cast<const bool*>(kv.data()), limit.data(),
-                                       reinterpret_cast<const bool*>(qv.data()), dims.data(), out.data());
-      }
-    });
-  }
-  for (auto& th : lanes) th.join();
+  run_blocks(B, 32 * %(WARPS)d, [&] {
+    body<%(KPOOL)d, %(TOPK)d, %(TAIL)d, %(WARPS)d>(scores.data(), reinterpret_cast<const bool*>(kv.data()),
+        limit.data(), reinterpret_cast<const bool*>(qv.data()), dims.data(), out.data());
+  });
   FILE* f = std::fopen(argv[6], "wb");
   std::fwrite(out.data(), 4, out.size(), f);
   std::fclose(f);
@@ -99,34 +88,64 @@ def reference(scores, key_valid, pool_limit, query_valid, select_k, kpool, topk,
 
 
 def cases(rng):
-    """(name, scores [B, P], key_valid [B, T], pool_limit [B], query_valid [B], select_k, kpool, topk, tail)."""
+    """(name, scores [B, P], key_valid [B, T], pool_limit [B], query_valid [B], select_k, kpool, topk, tail, real).
+
+    ``real``: at the real widths (kpool 16, topk 2048, tail 15); the small ones also run at other block sizes.
+    """
 
     def valid_rows(batch, keys, pads):
         return np.arange(keys)[None] >= np.array(pads)[:, None]
 
-    for keys in (4096, 33000):
+    real = (128, 16, 2048, 15)
+    for keys in (4096, 33000):  # 256 pools (one block of threads); 2,062 (not a multiple of it)
         pools = keys // 16
         scores = rng.normal(0, 1, (2, pools)).astype(np.float32)
         valid = valid_rows(2, keys, (0, 37))
         yield (f"real widths, {keys} keys, row 1 left-padded", scores, valid, np.array([pools, pools - 3]),
-               np.array([True, True]), 128, 16, 2048, 15)
+               np.array([True, True]), *real, True)
+
+    keys, pools = 66000, 4125
+    valid = valid_rows(3, keys, (0, 1000, 0))
+    valid[0, 20000:20500] = False  # holes: fewer visible keys than positions, so the tail moves
+    valid[1, keys - 9:keys - 4] = False  # a hole inside the tail
+    yield (f"real widths, {keys} keys: holes, short pool cache, padded query", rng.normal(0, 1, (3, pools)).astype(
+        np.float32), valid, np.array([pools, pools - 70, pools]), np.array([True, True, False]), *real, True)
+
+    keys, pools = 131080, 8192  # the kernel's capacity, a multiple of the block size
+    ties = rng.integers(-39, 1, (1, pools)).astype(np.float32)  # ~205 pools at 0, the boundary value
+    ties[ties == 0] = np.where(rng.random(int((ties == 0).sum())) < 0.5, -0.0, 0.0)  # -0 == +0
+    nan = rng.normal(0, 1, (1, pools)).astype(np.float32)
+    nan[0, rng.permutation(pools)[60:]] = np.nan  # 60 finite scores: the 128th pick is a NaN
+    valid = valid_rows(2, keys, (0, 0))
+    valid[1, 50000:50033] = False
+    yield (f"real widths, {keys} keys ({pools} pools): ties at the boundary with -0/+0, NaN past it",
+           np.concatenate([ties, nan]), valid, np.array([pools, pools]), np.array([True, True]), *real, True)
+
+    keys, pools = 131000, 8187
+    valid = valid_rows(2, keys, (0, 300))
+    valid[1, 7:4000:13] = False
+    yield (f"real widths, {keys} keys ({pools} pools): a pool cache of fewer pools than select_k, holes",
+           rng.normal(0, 1, (2, pools)).astype(np.float32), valid, np.array([100, pools - 5]),
+           np.array([True, True]), *real, True)
+
+    small = (16, 4, 64, 3, False)
     valid = valid_rows(3, 300, (0, 5, 0))
     valid[2, 100:140] = False  # a hole in the validity row
     yield ("small, holes, short pool cache, padded query", rng.normal(0, 1, (3, 75)).astype(np.float32), valid,
-           np.array([75, 70, 72]), np.array([True, True, False]), 16, 4, 64, 3)
+           np.array([75, 70, 72]), np.array([True, True, False]), *small)
     tied = np.repeat(rng.normal(0, 1, (2, 5)), 15, axis=1).astype(np.float32)  # 15 copies of 5 values
     yield "ties across the boundary", tied, valid_rows(2, 300, (0, 0)), np.array([75, 75]), np.array([True, True]), \
-        16, 4, 64, 3
+        *small
     nan = rng.normal(0, 1, (1, 75)).astype(np.float32)
     nan[0, 6:] = np.nan  # 6 finite scores: the 16th pick is a NaN
-    yield "NaN scores", nan, valid_rows(1, 300, (0,)), np.array([75]), np.array([True]), 16, 4, 64, 3
+    yield "NaN scores", nan, valid_rows(1, 300, (0,)), np.array([75]), np.array([True]), *small
     yield "no valid key", rng.normal(0, 1, (1, 75)).astype(np.float32), np.zeros((1, 300), bool), np.array([75]), \
-        np.array([True]), 16, 4, 64, 3
+        np.array([True]), *small
     yield "every pool selected", np.zeros((2, 9), np.float32), valid_rows(2, 38, (0, 3)), np.array([9, 9]), \
-        np.array([True, True]), 9, 4, 64, 3
+        np.array([True, True]), 9, 4, 64, 3, False
 
 
-def run_case(tmp, scores, key_valid, pool_limit, query_valid, select_k, kpool, topk, tail):
+def run_case(tmp, scores, key_valid, pool_limit, query_valid, select_k, kpool, topk, tail, warps):
     batch, pools = scores.shape
     keys = key_valid.shape[1]
     paths = [tmp / n for n in ("scores", "kv", "limit", "qv", "dims", "out")]
@@ -135,8 +154,8 @@ def run_case(tmp, scores, key_valid, pool_limit, query_valid, select_k, kpool, t
     for path, array in zip(paths, inputs):
         array.tofile(path)
     source = PRELUDE + PROGRAM % {
-        "helpers": select_kernel.HELPERS, "body": select_kernel.SELECT_BODY, "B": batch, "T": keys, "P": pools,
-        "W": topk + tail, "KPOOL": kpool, "TOPK": topk, "TAIL": tail,
+        "header": select_kernel.CUDA_HEADER, "source": select_kernel.CUDA_SOURCE, "B": batch, "T": keys, "P": pools,
+        "W": topk + tail, "KPOOL": kpool, "TOPK": topk, "TAIL": tail, "WARPS": warps,
     }
     build_and_run(tmp, source, paths, timeout=300)
     got = np.fromfile(paths[-1], dtype=np.int32).reshape(batch, topk + tail)
@@ -148,14 +167,15 @@ def main():
     rng = np.random.default_rng(0)
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for name, *case in cases(rng):
-            ok, got, want = run_case(Path(tmp), *case)
-            failed += not ok
-            print(f"{'ok' if ok else 'FAILED':>6}  {name}")
-            if not ok:
-                bad = np.argwhere(got != want)[:4]
-                print("   first differences (row, slot, got, want):",
-                      [(int(r), int(c), int(got[r, c]), int(want[r, c])) for r, c in bad])
+        for name, *case, real in cases(rng):
+            for warps in (select_kernel.WARPS,) if real else (select_kernel.WARPS, 1, 3):
+                ok, got, want = run_case(Path(tmp), *case, warps)
+                failed += not ok
+                print(f"{'ok' if ok else 'FAILED':>6}  {name} ({warps} warps)", flush=True)
+                if not ok:
+                    bad = np.argwhere(got != want)[:4]
+                    print("   first differences (row, slot, got, want):",
+                          [(int(r), int(c), int(got[r, c]), int(want[r, c])) for r, c in bad])
     sys.exit(1 if failed else 0)
 
 

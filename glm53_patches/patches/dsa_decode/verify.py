@@ -9,7 +9,8 @@
    selections with -1 slots;
 3. greedy decode of the tiny random-weight model, batch 1 and 2, logits bit for bit;
 4. on a GPU, 1 and 3 again with the one-launch selection kernel
-   (``select_kernel.py``) forced on; 1-3 run with it forced off.
+   (``select_kernel.py``) forced on, 1 also at 32k and 128k keys (2,048 and
+   8,192 pools: the kernel's capacity on CUDA); 1-3 run with it forced off.
 """
 
 import time
@@ -22,6 +23,8 @@ from glm53_patches.bench import synthetic
 from glm53_patches.exactness import Tally
 
 STEPS = 8
+# The kernel's indexer contexts: those of the compiled path, then 2,048 and 8,192 pools.
+KERNEL_CONTEXTS = (2040, 4096, 16384, 32768, 131072)
 
 
 def _indexer(dtype):
@@ -147,7 +150,7 @@ def verify():
         check_model(tally, (stock, stock_attend), (make_call(stock), make_attend(stock_attend)))
     if gpu:  # the one-launch selection kernel
         with switch.forcing(True):
-            check_indexer(tally, stock, make_call(stock), label="kernel ")
+            check_indexer(tally, stock, make_call(stock), contexts=KERNEL_CONTEXTS, label="kernel ")
             check_model(tally, (stock, stock_attend), (make_call(stock), make_attend(stock_attend)), label="kernel ")
     after = PATCH.stats.snapshot()["hits"]
     paths = ("indexer", "attend") + (("indexer kernel",) if gpu else ())
