@@ -72,16 +72,17 @@ def test_kernel_coverage():
 
     state = mx.zeros((2, 4, 64, 64))
     f32 = (mx.zeros((4,)), mx.zeros((256,)))
-    ok = dict(dtype=mx.bfloat16, state=state, heads=4, head_dim=64, lower_bound=-5.0, gate_params=f32)
+    conv = mx.zeros((768, 4, 1), mx.bfloat16)
+    ok = dict(dtype=mx.bfloat16, state=state, heads=4, head_dim=64, lower_bound=-5.0, gate_params=f32, conv_weight=conv)
     for backend in ("cuda", "metal"):
         assert unsupported(**ok, backend=backend) is None
     assert unsupported(**ok, backend=None) == "no GPU backend"
     cases = {
-        "dtype": [dict(dtype=mx.float32), dict(state=state.astype(mx.bfloat16))],
+        "dtype": [dict(dtype=mx.float32), dict(state=state.astype(mx.bfloat16)), dict(conv_weight=conv.astype(mx.float32))],
         "A_log / dt_bias not float32": [dict(gate_params=(f32[0].astype(mx.bfloat16), f32[1]))],
         "head dim": [dict(head_dim=60, state=mx.zeros((2, 4, 60, 60))), dict(head_dim=256)],
         "no lower bound (compute_g)": [dict(lower_bound=None)],
-        "shape": [dict(heads=8)],
+        "shape": [dict(heads=8), dict(conv_weight=mx.zeros((768, 4, 2), mx.bfloat16))],
     }
     for reason, changes in cases.items():
         for change in changes:

@@ -6,7 +6,8 @@ intrinsics it calls are replaced by host functions of the same arithmetic
 (``host_emulation.py`` runs every block's warps as host threads). Its inputs
 come from a real KDA layer on the CPU: stock's own projections and conv for
 one decode step (the patch's compiled front). Its outputs, through stock's
-``o_proj``, are compared with stock's decode step of the same layer and cache.
+``o_proj``, are compared with stock's decode step of the same layer and cache,
+and the new conv window bit for bit.
 
 The CPU's reductions add in another order than CUDA's, so values agree to
 bf16 rounding, not bit for bit (``verify`` checks bits on the GPU). What
@@ -55,38 +56,42 @@ struct Exp {
 
 PROGRAM = r"""
 %(helpers)s
-template <int H, int D, int FMA_NORM, int FMA_STATE, bool HAS_MASK>
-void body(const bf16* conv_out, const bf16* a, const bf16* beta_logit, const bf16* gate, const float* state,
-          const float* A_log, const float* dt_bias, const bf16* o_weight, const bf16* scales, const float* consts,
-          const bool* mask, bf16* out, float* state_out) {
+template <int H, int D, int KC, int FMA_NORM, int FMA_STATE, bool HAS_MASK>
+void body(const bf16* qkv, const bf16* window, const bf16* conv_w, const bf16* a, const bf16* beta_logit,
+          const bf16* gate, const float* state, const float* A_log, const float* dt_bias, const bf16* o_weight,
+          const bf16* scales, const float* consts, const bool* mask, bf16* out, float* state_out, bf16* window_out) {
 %(source)s
 }
 
 int main(int argc, char** argv) {
-  constexpr int B = %(B)d, H = %(H)d, D = %(D)d;
-  auto conv_out = load<bf16>(argv[1], B * 3 * H * D);
-  auto a = load<bf16>(argv[2], B * H * D);
-  auto beta_logit = load<bf16>(argv[3], B * H);
-  auto gate = load<bf16>(argv[4], B * H * D);
-  auto state = load<float>(argv[5], B * H * D * D);
-  auto A_log = load<float>(argv[6], H);
-  auto dt_bias = load<float>(argv[7], H * D);
-  auto o_weight = load<bf16>(argv[8], D);
-  auto scales = load<bf16>(argv[9], 2);
-  auto consts = load<float>(argv[10], 3);
-  auto mask_bytes = load<uint8_t>(argv[11], B);
+  constexpr int B = %(B)d, H = %(H)d, D = %(D)d, KC = %(KC)d, C = 3 * H * D;
+  auto qkv = load<bf16>(argv[1], B * C);
+  auto window = load<bf16>(argv[2], B * (KC - 1) * C);
+  auto conv_w = load<bf16>(argv[3], C * KC);
+  auto a = load<bf16>(argv[4], B * H * D);
+  auto beta_logit = load<bf16>(argv[5], B * H);
+  auto gate = load<bf16>(argv[6], B * H * D);
+  auto state = load<float>(argv[7], B * H * D * D);
+  auto A_log = load<float>(argv[8], H);
+  auto dt_bias = load<float>(argv[9], H * D);
+  auto o_weight = load<bf16>(argv[10], D);
+  auto scales = load<bf16>(argv[11], 2);
+  auto consts = load<float>(argv[12], 3);
+  auto mask_bytes = load<uint8_t>(argv[13], B);
   std::vector<char> mask(mask_bytes.begin(), mask_bytes.end());
   std::vector<bf16> out(B * H * D, bf16(-7.0f));  // poison: every value must be written
   std::vector<float> state_out(B * H * D * D, -7.0f);
+  std::vector<bf16> window_out(B * (KC - 1) * C, bf16(-7.0f));
   run_blocks(B * H, (D / 4) * 32, [&] {
-    body<H, D, %(FMA_NORM)d, %(FMA_STATE)d, %(HAS_MASK)s>(
-        conv_out.data(), a.data(), beta_logit.data(), gate.data(), state.data(), A_log.data(), dt_bias.data(),
-        o_weight.data(), scales.data(), consts.data(), reinterpret_cast<const bool*>(mask.data()), out.data(),
-        state_out.data());
+    body<H, D, KC, %(FMA_NORM)d, %(FMA_STATE)d, %(HAS_MASK)s>(
+        qkv.data(), window.data(), conv_w.data(), a.data(), beta_logit.data(), gate.data(), state.data(),
+        A_log.data(), dt_bias.data(), o_weight.data(), scales.data(), consts.data(),
+        reinterpret_cast<const bool*>(mask.data()), out.data(), state_out.data(), window_out.data());
   });
-  FILE* f = std::fopen(argv[12], "wb");
+  FILE* f = std::fopen(argv[14], "wb");
   std::fwrite(out.data(), 2, out.size(), f);
   std::fwrite(state_out.data(), 4, state_out.size(), f);
+  std::fwrite(window_out.data(), 2, window_out.size(), f);
   std::fclose(f);
   return 0;
 }
@@ -113,15 +118,16 @@ def _layer_step(dims, padding, seed):
     mask = None if mask is None else mask.reshape(-1)
     leaves = step._compiled.layer_leaves(layer)
     front = step._build_front(layer, leaves, mask is not None)
-    params = [dict(m) for m in leaves[:5]]
-    inputs = front(x, cache[0], params) if mask is None else front(x, cache[0], params, mask.reshape(-1, 1))
-    conv_out, a, b, gate, _ = inputs
+    params = [dict(leaves[i]) for i in step._PROJECTIONS]
+    qkv, a, b, gate = front(x, params) if mask is None else front(x, params, mask.reshape(-1, 1))
+    conv_w = layer.qkv_conv.conv.weight
     consts, scales = kernel.constants(1e-6 / layer.head_dim, layer.o_norm.eps, layer.lower_bound, layer.scale)
-    kernel_inputs = [conv_out, a, b, gate, cache[1], layer.A_log, layer.dt_bias, layer.o_norm.weight, scales, consts,
+    kernel_inputs = [qkv, cache[0], conv_w.reshape(conv_w.shape[0], -1), a, b, gate, cache[1], layer.A_log,
+                     layer.dt_bias, layer.o_norm.weight, scales, consts,
                      mx.ones((batch,), mx.bool_) if mask is None else mask]
     state_before = np.array(cache[1])
-    expected = layer(x, None if mask is None else mask.reshape(-1, 1), cache)  # stock: cache now holds the new state
-    return layer, kernel_inputs, mask is not None, state_before, expected, np.array(cache[1])
+    expected = layer(x, None if mask is None else mask.reshape(-1, 1), cache)  # stock: the cache moves on
+    return layer, kernel_inputs, mask is not None, state_before, expected, cache
 
 
 def _to_file(array, path):
@@ -138,25 +144,31 @@ def run_case(tmp, dims, padding, fma, seed):
     """(problems, max |output - stock| / max |stock|, max |state - stock| / max |stock state|)."""
     from mlx_vlm.models.glm5_next import language as _lang
 
-    layer, inputs, has_mask, state_before, expected, expected_state = _layer_step(dims, padding, seed)
+    layer, inputs, has_mask, state_before, expected, cache = _layer_step(dims, padding, seed)
+    expected_state, expected_window = np.array(cache[1]), np.array(cache[0].view(mx.uint16))
     hidden, heads, head_dim = dims
-    batch = inputs[-1].shape[0]
+    batch, taps = inputs[-1].shape[0], inputs[2].shape[1]
     paths = [tmp / f"in{i}" for i in range(len(inputs))] + [tmp / "out"]
     for array, path in zip(inputs, paths):
         _to_file(array, path)
     source = PRELUDE + HOST_FUNCTIONS + PROGRAM % {
         "helpers": kernel.CUDA_HELPERS, "source": kernel.CUDA_SOURCE, "B": batch, "H": heads, "D": head_dim,
+        "KC": taps,
         "FMA_NORM": fma[0], "FMA_STATE": fma[1], "HAS_MASK": "true" if has_mask else "false",
     }
     build_and_run(tmp, source, paths, timeout=300)
     raw = np.fromfile(paths[-1], dtype=np.uint8)
     n_out = batch * heads * head_dim
     out = mx.array(raw[: 2 * n_out].view(np.uint16)).view(mx.bfloat16).reshape(batch, 1, heads * head_dim)
-    state = raw[2 * n_out:].view(np.float32).reshape(state_before.shape)
+    n_state = state_before.size
+    state = raw[2 * n_out: 2 * n_out + 4 * n_state].view(np.float32).reshape(state_before.shape)
+    window = raw[2 * n_out + 4 * n_state:].view(np.uint16).reshape(expected_window.shape)
     got = _lang.linear(layer.o_proj, out)
     problems = []
     if np.any(np.array(out.astype(mx.float32)) == -7.0) or np.any(state == -7.0):
         problems.append("an output was never written")
+    if not np.array_equal(window, expected_window):  # a copy: bit for bit
+        problems.append("the new conv window differs from stock's")
     if has_mask:
         masked = ~np.array(inputs[-1])
         if masked.any() and not np.array_equal(state[masked].view(np.uint32), state_before[masked].view(np.uint32)):

@@ -1,13 +1,16 @@
-"""A KDA decode step after the projections and the conv, as one GPU launch: CUDA and Metal twins.
+"""A KDA decode step after the projections, as one GPU launch: CUDA and Metal twins.
 
-For one token, stock turns the depthwise conv's output and the projections
-``a``, ``b``, ``gate`` into the mixer's output and the new recurrent state in
-about 20 kernels: SiLU, two ``rms_norm``s and their scales, ``sigmoid(b)``,
+For one token, stock turns the projections ``qkv``, ``a``, ``b``, ``gate``
+into the mixer's output, the new conv window and the new recurrent state in
+about 25 kernels: the window concatenation and depthwise conv, SiLU, two
+``rms_norm``s and their scales, ``sigmoid(b)``,
 ``compute_g_safe``, the delta-rule step (decay, two row sums, the update),
 the cast, the output ``rms_norm``, ``sigmoid(gate)`` and the product. Here one
 block per (batch row, head) does all of it, each value rounded where stock
 rounds it:
 
+* the conv adds its (exact) bf16 products in tap order from 0 in float32
+  and rounds to bf16, as cuDNN does on the H200 (``CUDA_HELPERS``);
 * bf16 ops (SiLU, the norms' outputs and scales, the gate) call MLX's own
   functors on ``__nv_bfloat16`` (CUDA), so they are stock's code;
 * ``rms_norm`` sums squares as MLX's ``rms_norm_small`` does: 8 values per
@@ -57,18 +60,28 @@ BODY = r"""
   const int warp = (int)KD_THREAD / 32;
   KD_SHARED float y_row[D];
 
-  KD_DEVICE const KD_BF16* q_in = conv_out + (size_t)b * 3 * H * D + h * D;
-  KD_DEVICE const KD_BF16* k_in = q_in + H * D;
-  KD_DEVICE const KD_BF16* v_in = k_in + H * D;
+  constexpr int C = 3 * H * D;  // conv channels: q, k, v of every head
+  const int q_ch = h * D;
+  const int k_ch = q_ch + H * D;
+  const int v_ch = k_ch + H * D;
   const bool live = HAS_MASK ? mask[b] : true;
 
-  // rms_norm's normalizer of q and of k (SiLU first, as stock's conv output).
+  // The conv window moves by one token: this head's q, k and v channels.
+  for (int i = (int)KD_THREAD; i < 3 * D * (KC - 1); i += W * 32) {
+    const int j = i / (3 * D);  // window row
+    const int ch = q_ch + (i % (3 * D)) / D * H * D + i % D;
+    const size_t at = ((size_t)b * (KC - 1) + j) * C + ch;
+    window_out[at] = j + 1 < KC - 1 ? window[at + C] : qkv[(size_t)b * C + ch];
+  }
+#define KD_CONV_AT(ch) kd_conv<KC>(qkv, window, conv_w, b, (ch), C)
+
+  // rms_norm's normalizer of q and of k (the conv and SiLU first, as stock).
   float sq = 0.0f;
   float sk = 0.0f;
   if (lane * NORM_READS < D) {
     for (int i = 0; i < NORM_READS; ++i) {
-      const float xq = KD_TO_F(KD_SILU(q_in[lane * NORM_READS + i]));
-      const float xk = KD_TO_F(KD_SILU(k_in[lane * NORM_READS + i]));
+      const float xq = KD_TO_F(KD_SILU(KD_CONV_AT(q_ch + lane * NORM_READS + i)));
+      const float xk = KD_TO_F(KD_SILU(KD_CONV_AT(k_ch + lane * NORM_READS + i)));
       sq = KD_NORM_ACC(sq, xq);
       sk = KD_NORM_ACC(sk, xk);
     }
@@ -84,8 +97,8 @@ BODY = r"""
   for (int i = 0; i < 4; ++i) {
     const int e = 4 * lane + i;
     if (e < D) {
-      const KD_BF16 qn = KD_BF_MUL(KD_ONE, KD_TO_BF(KD_MUL(KD_TO_F(KD_SILU(q_in[e])), nq)));
-      const KD_BF16 kn = KD_BF_MUL(KD_ONE, KD_TO_BF(KD_MUL(KD_TO_F(KD_SILU(k_in[e])), nk)));
+      const KD_BF16 qn = KD_BF_MUL(KD_ONE, KD_TO_BF(KD_MUL(KD_TO_F(KD_SILU(KD_CONV_AT(q_ch + e))), nq)));
+      const KD_BF16 kn = KD_BF_MUL(KD_ONE, KD_TO_BF(KD_MUL(KD_TO_F(KD_SILU(KD_CONV_AT(k_ch + e))), nk)));
       qv[i] = KD_TO_F(KD_BF_MUL(scales[0], qn));
       kv[i] = KD_TO_F(KD_BF_MUL(scales[1], kn));
       // compute_g_safe: exp(lower_bound * sigmoid(exp(A_log) * (a + dt_bias))).
@@ -109,7 +122,7 @@ BODY = r"""
       kv_mem = KD_MAC(kv_mem, s[i], kv[i]);
     }
     kv_mem = KD_LANE_SUM(kv_mem);
-    const float delta = KD_MUL(KD_SUB(KD_TO_F(KD_SILU(v_in[dv])), kv_mem), beta);
+    const float delta = KD_MUL(KD_SUB(KD_TO_F(KD_SILU(KD_CONV_AT(v_ch + dv))), kv_mem), beta);
     float y = 0.0f;
     for (int i = 0; i < 4; ++i) {
       const int e = 4 * lane + i;
@@ -183,8 +196,23 @@ CUDA_SOURCE = (
     + BODY
 )
 
-# Warp tree of MLX's cg::reduce: partner at offsets 16, 8, 4, 2, 1.
+# Warp tree of MLX's cg::reduce: partner at offsets 16, 8, 4, 2, 1. The
+# depthwise conv as MLX's CUDA conv (cuDNN) computes it on the H200: the
+# (exact) bf16 products added in tap order from 0 in float32, then rounded
+# to bf16 (device/probe_conv_order.py tells the orders apart).
 CUDA_HELPERS = r"""
+template <int KC>
+__device__ __forceinline__ __nv_bfloat16 kd_conv(const __nv_bfloat16* qkv, const __nv_bfloat16* window,
+                                                 const __nv_bfloat16* w, int b, int ch, int C) {
+  float acc = 0.0f;
+  for (int j = 0; j < KC - 1; ++j) {
+    const float x = static_cast<float>(window[((size_t)b * (KC - 1) + j) * C + ch]);
+    acc = __fadd_rn(acc, __fmul_rn(x, static_cast<float>(w[(size_t)ch * KC + j])));
+  }
+  const float x = static_cast<float>(qkv[(size_t)b * C + ch]);
+  acc = __fadd_rn(acc, __fmul_rn(x, static_cast<float>(w[(size_t)ch * KC + KC - 1])));
+  return static_cast<__nv_bfloat16>(acc);
+}
 __device__ __forceinline__ float kd_warp_tree(float v) {
   for (int off = 16; off > 0; off >>= 1) {
     v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
@@ -227,6 +255,16 @@ METAL_SOURCE = (
 )
 
 METAL_HEADER = r"""
+template <int KC>
+inline bfloat16_t kd_conv(const device bfloat16_t* qkv, const device bfloat16_t* window,
+                          const device bfloat16_t* w, int b, int ch, int C) {
+  float acc = 0.0f;
+  for (int j = 0; j < KC - 1; ++j) {
+    acc += static_cast<float>(window[((size_t)b * (KC - 1) + j) * C + ch]) * static_cast<float>(w[(size_t)ch * KC + j]);
+  }
+  acc += static_cast<float>(qkv[(size_t)b * C + ch]) * static_cast<float>(w[(size_t)ch * KC + KC - 1]);
+  return static_cast<bfloat16_t>(acc);
+}
 inline bfloat16_t kd_bf_mul(bfloat16_t a, bfloat16_t b) {
   return static_cast<bfloat16_t>(static_cast<float>(a) * static_cast<float>(b));
 }
@@ -243,8 +281,8 @@ inline bfloat16_t kd_sigmoid_bf(bfloat16_t x) {
 }
 """
 
-INPUTS = ["conv_out", "a", "beta_logit", "gate", "state", "A_log", "dt_bias", "o_weight", "scales", "consts", "mask"]
-OUTPUTS = ["out", "state_out"]
+INPUTS = ["qkv", "window", "conv_w", "a", "beta_logit", "gate", "state", "A_log", "dt_bias", "o_weight", "scales", "consts", "mask"]
+OUTPUTS = ["out", "state_out", "window_out"]
 
 _kernels = {}
 
@@ -263,16 +301,17 @@ def _kernel(backend: str):
     return kernel
 
 
-def unsupported(dtype, state, heads, head_dim, lower_bound, gate_params, backend=None) -> Optional[str]:
+def unsupported(dtype, state, heads, head_dim, lower_bound, gate_params, conv_weight, backend=None) -> Optional[str]:
     """Why the kernel does not cover a decode step, or None when it does.
 
     dtype: the activations'; state: the recurrent state; gate_params: the
-    layer's A_log and dt_bias (stock's float32 path is the one reproduced).
+    layer's A_log and dt_bias (stock's float32 path is the one reproduced);
+    conv_weight: the short conv's, [channels, taps, 1].
     """
     backend = gpu_backend() if backend is None else backend
     if backend not in ("cuda", "metal"):
         return "no GPU backend"
-    if dtype != mx.bfloat16 or state.dtype != mx.float32:
+    if dtype != mx.bfloat16 or state.dtype != mx.float32 or conv_weight.dtype != mx.bfloat16:
         return "dtype"
     if any(p.dtype != mx.float32 for p in gate_params):
         return "A_log / dt_bias not float32"
@@ -280,7 +319,7 @@ def unsupported(dtype, state, heads, head_dim, lower_bound, gate_params, backend
         return "head dim"
     if lower_bound is None:
         return "no lower bound (compute_g)"
-    if state.shape[1:] != (heads, head_dim, head_dim):
+    if state.shape[1:] != (heads, head_dim, head_dim) or conv_weight.shape[::2] != (3 * heads * head_dim, 1):
         return "shape"
     return None
 
@@ -300,12 +339,13 @@ def constants(eps_qk, eps_out, lower_bound, scale):
     return consts, scales
 
 
-def fused_kda_step(conv, a, beta_logit, gate, state, A_log, dt_bias, o_weight, consts, scales, mask=None,
-                   *, backend=None, fma=None):
-    """``(out [B, H*D] bf16, new state [B, H, D, D] float32)``; check ``unsupported`` first.
+def fused_kda_step(qkv, window, conv_w, a, beta_logit, gate, state, A_log, dt_bias, o_weight, consts, scales,
+                   mask=None, *, backend=None, fma=None):
+    """``(out [B, H*D] bf16, new state [B, H, D, D] float32, new conv window)``; check ``unsupported`` first.
 
-    conv: the depthwise conv's output before SiLU, [B, 3*H*D]; a, gate:
-    [B, H*D]; beta_logit: [B, H] (all bf16); A_log [H], dt_bias [H*D]
+    qkv: the qkv projection (masked), [B, 3*H*D]; window: the conv window
+    [B, KC-1, 3*H*D]; conv_w: the depthwise conv's weight [3*H*D, KC]; a,
+    gate: [B, H*D]; beta_logit: [B, H] (all bf16); A_log [H], dt_bias [H*D]
     float32; o_weight [D] bf16; mask: [B] bool or None.
     """
     backend = gpu_backend() if backend is None else backend
@@ -314,12 +354,12 @@ def fused_kda_step(conv, a, beta_logit, gate, state, A_log, dt_bias, o_weight, c
     has_mask = mask is not None
     warps = head_dim // ROWS_PER_WARP
     return _kernel(backend)(
-        inputs=[conv, a, beta_logit, gate, state, A_log, dt_bias, o_weight, scales, consts,
+        inputs=[qkv, window, conv_w, a, beta_logit, gate, state, A_log, dt_bias, o_weight, scales, consts,
                 mask if has_mask else mx.ones((1,), dtype=mx.bool_)],
-        template=[("H", heads), ("D", head_dim), ("FMA_NORM", int(fma_norm)), ("FMA_STATE", int(fma_state)),
-                  ("HAS_MASK", has_mask)],
+        template=[("H", heads), ("D", head_dim), ("KC", conv_w.shape[1]), ("FMA_NORM", int(fma_norm)),
+                  ("FMA_STATE", int(fma_state)), ("HAS_MASK", has_mask)],
         grid=(batch * heads * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(batch, heads * head_dim), state.shape],
-        output_dtypes=[mx.bfloat16, mx.float32],
+        output_shapes=[(batch, heads * head_dim), state.shape, window.shape],
+        output_dtypes=[mx.bfloat16, mx.float32, window.dtype],
     )

@@ -3,8 +3,9 @@
 For one token on a GPU where the kernel runs (``glm53-patches verify
 fused_kda_kernel`` passed, or GLM53_FUSED_KDA_KERNEL_KERNEL=1):
 
-    front (mx.compile'd: stock's projections, conv window and conv)
-        -> kernel (``kernel.py``: SiLU ... gated output norm, new state)
+    front (mx.compile'd: stock's projections)
+        -> kernel (``kernel.py``: conv window and conv, SiLU ... gated
+           output norm; new window and state)
         -> o_proj
 
 The front reuses compiled_kda_decode's machinery (the skeleton modules bound
@@ -32,30 +33,29 @@ switch = KernelSwitch(PATCH.name)
 _FRONTS = {}
 
 
+_PROJECTIONS = (0, 2, 3, 4)  # qkv_proj, fbg_a_proj, f_b_proj, g_b_proj among compiled_kda_decode's leaves
+
+
 def _build_front(attn, leaves, has_mask):
-    """Stock's ops up to the conv (``Glm5NextLinearAttention.__call__``, ``ShortConv1d``), compiled."""
-    skeletons = tuple(_compiled.skeleton(m) for m in leaves[:5])
+    """Stock's projections (``Glm5NextLinearAttention.__call__``, ``ShortConv1d``'s mask), compiled."""
+    skeletons = tuple(_compiled.skeleton(leaves[i]) for i in _PROJECTIONS)
     num_heads, head_dim = attn.num_heads, attn.head_dim
-    keep = attn.qkv_conv.kernel_size - 1
     linear = _lang.linear
 
-    def front(x, window, params, mask=None):
+    def front(x, params, mask=None):
         stats.hit("trace")  # Python runs only while mx.compile traces
-        qkv_proj, conv, fbg_a_proj, f_b_proj, g_b_proj = map(_compiled.bind, skeletons, params)
+        qkv_proj, fbg_a_proj, f_b_proj, g_b_proj = map(_compiled.bind, skeletons, params)
         batch = x.shape[0]
         if mask is not None:
             x = mx.where(mask[..., None], x, 0)
         qkv = linear(qkv_proj, x)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
-        conv_input = mx.concatenate([window, qkv], axis=1)
-        conv_out = conv(conv_input)  # SiLU is in the kernel
-        new_window = mx.contiguous(conv_input[:, 1 : 1 + keep])  # = update_window(0, ...)
         f_a, b, g_a = mx.split(linear(fbg_a_proj, x), (head_dim, head_dim + num_heads), axis=-1)
         a = linear(f_b_proj, f_a)
         gate = linear(g_b_proj, g_a)
         flat = (batch, -1)
-        return conv_out.reshape(flat), a.reshape(flat), b.reshape(flat), gate.reshape(flat), new_window
+        return qkv.reshape(flat), a.reshape(flat), b.reshape(flat), gate.reshape(flat)
 
     if has_mask:
         return mx.compile(front)
@@ -69,7 +69,8 @@ def decode_step(attn, x, mask=None, cache=None):
         stats.fallback("no GPU backend" if backend is None else "kernel off (not verified here)")
         return None
     reason = _compiled.why_not(attn, x, mask, cache) or unsupported(
-        x.dtype, cache[1], attn.num_heads, attn.head_dim, attn.lower_bound, (attn.A_log, attn.dt_bias), backend
+        x.dtype, cache[1], attn.num_heads, attn.head_dim, attn.lower_bound, (attn.A_log, attn.dt_bias),
+        attn.qkv_conv.conv.weight, backend,
     )
     if reason is not None:
         stats.fallback(reason)
@@ -79,12 +80,14 @@ def decode_step(attn, x, mask=None, cache=None):
     front = _FRONTS.get(key)
     if front is None:
         front = _FRONTS[key] = _build_front(attn, leaves, mask is not None)
-    params = [dict(m) for m in leaves[:5]]
-    conv_out, a, b, gate, window = front(x, cache[0], params) if mask is None else front(x, cache[0], params, mask)
+    params = [dict(leaves[i]) for i in _PROJECTIONS]
+    qkv, a, b, gate = front(x, params) if mask is None else front(x, params, mask)
     o_norm = attn.o_norm
+    conv_weight = attn.qkv_conv.conv.weight
     consts, scales = constants(1e-6 / attn.head_dim, o_norm.eps, attn.lower_bound, attn.scale)
-    out, state = fused_kda_step(
-        conv_out, a, b, gate, cache[1], attn.A_log, attn.dt_bias, o_norm.weight.astype(mx.bfloat16), consts, scales,
+    out, state, window = fused_kda_step(
+        qkv, cache[0], conv_weight.reshape(conv_weight.shape[0], -1), a, b, gate, cache[1], attn.A_log,
+        attn.dt_bias, o_norm.weight.astype(mx.bfloat16), consts, scales,
         None if mask is None else mask.reshape(-1), backend=backend,
     )
     # What stock leaves in a non-speculating cache without lengths.
