@@ -50,7 +50,7 @@ def conv_probe():
 
 
 def compile_probe():
-    source = "uint i = thread_position_in_grid.x; if (i < n[0]) out[i] = inp[i] * 2.0f;"
+    source = "unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n[0]) out[i] = inp[i] * 2.0f;"
     kernel = mx.fast.cuda_kernel(name="probe_double", input_names=["inp", "n"], output_names=["out"], source=source)
 
     def f(a):
