@@ -3,11 +3,10 @@
 Both patches are one GPU kernel each (``glm53-patches verify`` runs them on
 the H200 / a Mac; ``router_select/host_check.py`` runs the router's body with
 g++). Here: what the CPU user gets (stock, bit for bit, every call counted
-as a fallback), each kernel's coverage rules and knob, and the router host
-check's numpy reference against the stock ``_expert_select``.
+as a fallback), each kernel's coverage rules, and the router host check's
+numpy reference against the stock ``_expert_select``. The knobs:
+``test_kernel_switches.py``.
 """
-
-import logging
 
 import mlx.core as mx
 import numpy as np
@@ -81,23 +80,6 @@ def test_router_kernel_coverage():
     assert unsupported(logits.astype(mx.bfloat16), bias, 8, 1, backend="cuda") == "dtype"
 
 
-def test_router_kernel_knob(monkeypatch, caplog):
-    from glm53_patches.patches.router_select import gate
-
-    gate.clear()
-    assert gate.switch.wanted("cuda") is False  # auto, and no verify record in the test state dir
-    monkeypatch.setenv("GLM53_ROUTER_SELECT_KERNEL", "1")
-    gate.clear()
-    assert gate.switch.wanted("cuda") is True
-    assert gate.switch.wanted(None) is False  # the CPU has no kernel, whatever the knob says
-    monkeypatch.setenv("GLM53_ROUTER_SELECT_KERNEL", "sometimes")
-    gate.clear()
-    with caplog.at_level(logging.ERROR, logger="glm53_patches"):
-        assert gate.switch.wanted("cuda") is False
-    assert "GLM53_ROUTER_SELECT_KERNEL" in caplog.text and "accepted" in caplog.text
-    gate.clear()
-
-
 def test_host_check_reference_agrees_with_stock_expert_select():
     """The numpy reference the kernel body is checked against selects what stock selects.
 
@@ -149,14 +131,3 @@ def test_combine_kernel_coverage():
     assert unsupported(odd, weights, mx.zeros((2, 1, 4092), mx.bfloat16), backend="cuda") == "not col_reduce_small's case"
     wide = mx.zeros((2, 1, 40, 4096), mx.bfloat16)
     assert unsupported(wide, mx.zeros((2, 1, 40)), shared, backend="cuda") == "not col_reduce_small's case"
-
-
-def test_combine_kernel_knob(monkeypatch):
-    from glm53_patches.patches.expert_combine import combine
-
-    combine.clear()
-    assert combine.switch.wanted("cuda") is False  # auto, and no verify record in the test state dir
-    monkeypatch.setenv("GLM53_EXPERT_COMBINE_KERNEL", "on")
-    combine.clear()
-    assert combine.switch.wanted("cuda") is True and combine.switch.wanted(None) is False
-    combine.clear()
