@@ -168,7 +168,6 @@ CUDA_SOURCE = (
 #define KD_BLOCK blockIdx.x
 #define KD_THREAD threadIdx.x
 #define KD_SHARED __shared__
-#define KD_DEVICE
 #define KD_BARRIER __syncthreads()
 #define KD_BF16 __nv_bfloat16
 #define KD_ONE __float2bfloat16(1.0f)
@@ -228,7 +227,6 @@ METAL_SOURCE = (
 #define KD_BLOCK threadgroup_position_in_grid.x
 #define KD_THREAD thread_position_in_threadgroup.x
 #define KD_SHARED threadgroup
-#define KD_DEVICE device
 #define KD_BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)
 #define KD_BF16 bfloat16_t
 #define KD_ONE static_cast<bfloat16_t>(1.0f)

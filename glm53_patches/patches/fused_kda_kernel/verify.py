@@ -38,8 +38,6 @@ def _fma(backend, variant):
 
 
 def check_kernel(tally, backend):
-    from mlx_vlm.models.glm5_next.language import Glm5NextLinearAttention
-
     from glm53_patches import registry
 
     from . import PATCH, kernel
