@@ -34,6 +34,9 @@ def add_arguments(parser):
     a("--warmup", type=int, help="untimed steps per round before timing (default 4)")
     a("--prefill-rounds", type=int, help="interleaved rounds for prefill (default: --rounds)")
     a("--check-steps", type=int, help="greedy steps compared bit for bit with stock (default 8)")
+    a("--prefill-check-tokens", type=int,
+      help="compare prefills with stock (and warm up) on the prompt's first N tokens, once, instead of the whole "
+           "prompt at every length: long prompts then cost one timed run per arm (default: the whole prompt)")
     a("--sections", default=",".join(SECTIONS), help=f"which, in order (default {','.join(SECTIONS)})")
     a("--budget-s", type=float, help="stop starting new sections/rounds after this many seconds")
     a("--force", action="store_true", help="apply patches even where the drift guard refuses them (noted)")

@@ -201,6 +201,7 @@ class Runner:
         records = {}
         for label in self.arms.labels:
             self.arms.activate(label)
+            start = time.perf_counter()
             state = workload.make()
             outs, tokens = [], []
             for i in range(steps):
@@ -208,7 +209,8 @@ class Runner:
                 outs.append([bits(a) for a in arrays])
                 if workload.token:
                     tokens.append(workload.token(arrays))
-            records[label] = {"outs": outs, "tokens": tokens, "final": [bits(a) for a in workload.final(state)]}
+            records[label] = {"outs": outs, "tokens": tokens, "final": [bits(a) for a in workload.final(state)],
+                              "seconds": time.perf_counter() - start}  # a cold first pass: its compile stall
         self.arms.release()
         stock = records["stock"]
         verdicts = {}
@@ -224,6 +226,7 @@ class Runner:
                                "final_state_bitwise": final, "max_abs_diff": diff,
                                "tokens": rec["tokens"], "stock_tokens": stock["tokens"],
                                "tokens_match": rec["tokens"] == stock["tokens"] if workload.token else None,
+                               "seconds": rec["seconds"], "stock_seconds": stock["seconds"],
                                "digest": _digest([x for o in rec["outs"] for x in o]),
                                "stock_digest": _digest([x for o in stock["outs"] for x in o])}
         return verdicts

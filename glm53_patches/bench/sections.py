@@ -20,6 +20,7 @@ class Bench:
         self.dtype = model.lm_head.scales.dtype if hasattr(model, "lm_head") else mx.float32
         self.results = None  # set by the caller
         self._contexts = {}
+        self._prefill_checked = set()
         layers = model.model.layers
         moe = [i for i, l in enumerate(layers) if type(l.mlp).__name__ == "Glm5NextMoE"]
         self.kda_index = next((i for i in moe if layers[i].is_linear),
@@ -43,14 +44,19 @@ class Bench:
         mx.eval(xs)
         return xs
 
-    def _run(self, group, name, workload, steps=None, warmup=None, check_steps=None, rounds=None):
+    def _run(self, group, name, workload, steps=None, warmup=None, check_steps=None, rounds=None,
+             check_workload=None):
+        """Check (against stock, bit for bit) then time; ``check_workload`` checks instead
+        of ``workload``, False skips the check."""
         a = self.args
-        check = self.runner.check(workload, check_steps or max(a.check_steps, 1))
+        check = {} if check_workload is False else \
+            self.runner.check(check_workload or workload, check_steps or max(a.check_steps, 1))
         timed = self.runner.timed(workload, rounds or a.rounds, a.warmup if warmup is None else warmup,
                                   a.steps if steps is None else steps)
         timed["check"] = check
+        checked = f"{group}.{check_workload.name if check_workload else name}"
         for label, verdict in check.items():
-            self.results["correctness"].setdefault(label, {})[f"{group}.{name}"] = verdict
+            self.results["correctness"].setdefault(label, {})[checked] = verdict
             if "timed_tokens_match_stock" in timed["arms"][label]:
                 verdict["timed_tokens_match"] = timed["arms"][label]["timed_tokens_match_stock"]
         self.results.setdefault(group, {})[name] = timed
@@ -197,11 +203,19 @@ class Bench:
 
         self._run("layers", "moe_block", measure.Workload(f"MoE block {self.moe_index}", dict, step))
 
-    def _prefill(self, key, length, make, step, final=lambda s: [], token=None):
-        """One fresh-cache prefill of ``length`` tokens per run; tokens/s beside the ms."""
+    def _prefill(self, key, length, make, step, final=lambda s: [], token=None, short_step=None, family="model"):
+        """One fresh-cache prefill of ``length`` tokens per run; tokens/s beside the ms.
+        With --prefill-check-tokens, ``short_step`` (the prompt's first N tokens) is the
+        check and warm-up, run once per ``family`` (model, or one layer)."""
         workload = measure.Workload(f"prefill {key}", make, step, final, token=token, unit="ms")
+        check = None
+        if short_step is not None:
+            n = self.args.prefill_check_tokens
+            check = measure.Workload(f"{family} first {n} tokens", make, short_step, final, token=token, unit="ms")
+            check = False if check.name in self._prefill_checked else check
+            self._prefill_checked.add(check and check.name)
         timed = self._run("prefill", key, workload, steps=1, warmup=0, check_steps=1,
-                          rounds=self.args.prefill_rounds)
+                          rounds=self.args.prefill_rounds, check_workload=check)
         for entry in timed["arms"].values():
             entry["tokens_per_s"] = length / entry["median"] * 1e3
             entry["tokens_per_s_min"] = length / entry["max"] * 1e3
@@ -215,6 +229,10 @@ class Bench:
                 self.results["skipped"].append(f"{what} {length}: time budget spent")
             else:
                 yield length
+
+    def _short(self, length, short_step):
+        n = self.args.prefill_check_tokens
+        return short_step if n and n < length else None
 
     def prefill(self):
         model = self.model
@@ -231,7 +249,8 @@ class Bench:
                     mx.eval(logits, synthetic.cache_arrays(s["cache"]))
                 return [logits[:, -1, :], mx.argmax(logits[:, -1, :], axis=-1)]
 
-            self._prefill(str(length), length, make, step, token=lambda arrays: arrays[1].item())
+            short = self._short(length, lambda s, i, p=prompt: step(s, i, p[:, :self.args.prefill_check_tokens]))
+            self._prefill(str(length), length, make, step, token=lambda arrays: arrays[1].item(), short_step=short)
 
     def _prefill_layer(self, kind, index):
         """One decoder layer (both hyper-connections, attention, FFN) over a prompt, in
@@ -259,7 +278,9 @@ class Bench:
                     mx.eval(out, synthetic.cache_arrays(s["cache"]))
                 return [out[:, -1]]
 
-            self._prefill(f"{kind} layer {index} @{length}", length, make, step, final)
+            short = self._short(length, lambda s, i, x=x: step(s, i, x[:, :self.args.prefill_check_tokens]))
+            self._prefill(f"{kind} layer {index} @{length}", length, make, step, final, short_step=short,
+                          family=f"{kind} layer {index}")
 
     def prefill_kda(self):
         self._prefill_layer("KDA", self.kda_index)

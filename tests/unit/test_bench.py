@@ -193,3 +193,25 @@ def test_all_arm_is_what_glm53_patches_all_turns_on():
         assert any(everything[n].numerics == "changing" for n in everything)  # there is something to exclude
     finally:
         arms.close()
+
+
+def test_prefill_check_on_a_short_prompt_runs_once(tmp_path):
+    """--prefill-check-tokens: longer prompts are checked on their first N tokens, once,
+    and the check still catches a wrong arm; the cold pass's seconds are recorded."""
+    saved = registry._extra_plugins, registry._plugins
+    registry._extra_plugins, registry._plugins = [], None
+    registry.register_plugin(_Plugin(_patch("bench_probe_wrong", scale=3.0)))
+    out = tmp_path / "short.json"
+    try:
+        main(["--small", "--arms", "stock,bench_probe_wrong", "--sections", "prefill", "--prefill", "8,12,16",
+              "--prefill-check-tokens", "8", "--prefill-rounds", "1", "--no-png", "--quiet", "--out", str(out)])
+    finally:
+        registry.revert()
+        registry._extra_plugins, registry._plugins = saved
+    r = json.loads(out.read_text())
+    checks = r["correctness"]["bench_probe_wrong"]
+    assert set(checks) == {"prefill.8", "prefill.model first 8 tokens"}  # 8 whole; 12 and 16 share one
+    assert not checks["prefill.model first 8 tokens"]["outputs_bitwise"]
+    assert checks["prefill.model first 8 tokens"]["stock_seconds"] > 0
+    assert r["prefill"]["12"]["check"] and r["prefill"]["16"]["check"] == {}
+    assert all(r["prefill"][n]["arms"]["bench_probe_wrong"]["tokens_per_s"] > 0 for n in ("8", "12", "16"))
