@@ -5,6 +5,8 @@ verify <patch>` passed on this machine for these mlx / mlx-vlm versions;
 ``1`` runs it on any GPU backend, ``0`` never. A bad value is logged once,
 naming the variable, and keeps the kernel off. The decision is made once per
 backend and process (``clear`` forgets it; ``forcing`` overrides it).
+A patch whose fast path is not a kernel names its own knob and backends
+(dequantized_experts: GLM53_DEQUANTIZED_EXPERTS_FAST_PATH, the CPU too).
 """
 
 import contextlib
@@ -15,7 +17,7 @@ from . import config, verify_records
 log = logging.getLogger("glm53_patches")
 
 _VALUES = {"auto": None, "1": True, "on": True, "true": True, "force": True, "0": False, "off": False, "false": False}
-ACCEPTED = "auto (kernel where `glm53-patches verify` passed), 1/on/force, 0/off"
+ACCEPTED = "auto (where `glm53-patches verify` passed), 1/on/force, 0/off"
 
 
 def _parse(value):
@@ -26,19 +28,19 @@ def _parse(value):
 
 
 class KernelSwitch:
-    def __init__(self, patch: str):
-        self.patch = patch
+    def __init__(self, patch: str, backends=("cuda", "metal"), knob="kernel"):
+        self.patch, self.backends, self.knob = patch, backends, knob  # backends: where it can run at all
         self._decision = {}  # backend -> bool
         self._forced = None
 
     def wanted(self, backend) -> bool:
-        """Does the kernel run on ``backend`` ('cuda', 'metal'; never elsewhere)?"""
-        if backend not in ("cuda", "metal"):
+        """Does the kernel run on ``backend`` (one of ``backends``; never elsewhere)?"""
+        if backend not in self.backends:
             return False
         if self._forced is not None:
             return self._forced
         if backend not in self._decision:
-            setting, error = config.knob(self.patch, "kernel", _parse, None)
+            setting, error = config.knob(self.patch, self.knob, _parse, None)
             if error:
                 log.error(f"{self.patch}: {error}; the kernel stays off")
                 setting = False

@@ -1,0 +1,83 @@
+"""``glm53-patches verify dequantized_experts``: dequantize + gather_mm against gather_qmm on this machine.
+
+1. One projection, as ``SwitchGLU`` calls it at prefill (rows sorted by
+   expert): stock's ``QuantizedSwitchLinear`` against stock's
+   ``SwitchLinear`` over the dequantized weight, 4- and 8-bit, a full
+   2,048-token chunk and a ragged 300-token one, each of the three
+   projection shapes. GPU: GLM-5.3-Flash's widths (hidden 4096, expert
+   width 2048, 64 experts, top 8), bf16. CPU: narrower, fp32 (MLX's CPU
+   backend has no bf16 gather_mm).
+2. The tiny random-weight model, quantized (4- and 8-bit; bf16 on a GPU,
+   fp32 on the CPU), batch 1 and 2: prefill with the patch's threshold
+   lowered so its 40-token prompt dequantizes, then 16 greedy steps;
+   logits of every step bit for bit, and the dequantized path must have run.
+"""
+
+import time
+
+import mlx.core as mx
+
+from glm53_patches.exactness import Tally, _served_dtype
+from glm53_patches.registry import backend
+
+WIDTHS = {"gpu": (4096, 2048, 64, 8, mx.bfloat16), "cpu": (512, 256, 16, 4, mx.float32)}
+
+
+def check_projections(tally, on_gpu):
+    from mlx_vlm.models.switch_layers import SwitchLinear
+
+    from .experts import dequantized
+
+    hidden, width, experts, top_k, dtype = WIDTHS["gpu" if on_gpu else "cpu"]
+    key = iter(mx.random.split(mx.random.key(7), 64))
+    for bits in (4, 8):
+        for rows_in, rows_out in ((hidden, width), (width, hidden)):  # gate/up, down
+            stock = SwitchLinear(rows_in, rows_out, experts).to_quantized(group_size=64, bits=bits)
+            stock.update({k: v.astype(dtype) for k, v in stock.parameters().items() if k in ("scales", "biases")})
+            for tokens in (2048, 300):
+                rows = tokens * top_k
+                idx = mx.sort(mx.random.randint(0, experts, (rows,), key=next(key)))
+                x = mx.random.normal((rows, 1, rows_in), key=next(key)).astype(dtype)
+                expected = stock(x, idx, sorted_indices=True)
+                got = dequantized(stock)(x, idx, sorted_indices=True)
+                tally.compare(f"{bits}-bit {experts}x{rows_out}x{rows_in}, {tokens} tokens", [expected], [got])
+
+
+def check_tiny_models(tally, on_gpu):
+    from mlx_vlm.models.switch_layers import MoE
+
+    from glm53_patches import registry, tiny_model
+
+    from . import PATCH, experts
+
+    stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
+    installed = vars(MoE)["__call__"]
+    prompt = mx.array([[(5 * i + 2) % 500 for i in range(40)]])
+    for bits in (4, 8):
+        model = tiny_model.build_model(seed=1, quantize_bits=bits)
+        language_model = (_served_dtype(model, mx.bfloat16) if on_gpu else model).language_model
+        for batch, tokens in ((1, prompt), (2, mx.concatenate([prompt, prompt[:, ::-1]]))):
+            results = []
+            for fn in (stock, experts.make_call(stock)):
+                saved = experts._min_tokens
+                try:
+                    MoE.__call__, experts._min_tokens = fn, 16
+                    with experts.switch.forcing(True):
+                        results.append(tiny_model.greedy_logits(language_model, tokens, 16))
+                finally:
+                    MoE.__call__, experts._min_tokens = installed, saved
+            tally.compare(f"tiny model {bits}-bit B={batch}", *results)
+
+
+def verify():
+    from . import PATCH
+
+    start = time.perf_counter()
+    on_gpu = backend() in ("cuda", "metal")
+    tally = Tally()
+    before = PATCH.stats.snapshot()["hits"].get("dequantized", 0)
+    check_projections(tally, on_gpu)
+    check_tiny_models(tally, on_gpu)
+    if PATCH.stats.snapshot()["hits"].get("dequantized", 0) == before:  # equal outputs prove nothing then
+        tally.mismatches.append("the dequantized path never ran in the model check")
+    return tally.result(time.perf_counter() - start)

@@ -1,0 +1,140 @@
+"""dequantized_experts on the CPU (fp32, where MLX has gather_mm): bit for bit against stock.
+
+Through the public enable(), on the tiny random-weight model quantized as
+``convert`` does, with the chunk threshold lowered so its prompts dequantize:
+logits of the prefill and of every greedy step, and every cache array, on
+raw bits; batch 1, a batch of 2, and a cache resumed by a second prefill.
+"""
+
+import logging
+
+import mlx.core as mx
+import pytest
+
+import glm53_patches
+from glm53_patches.tiny_model import build_model, greedy_logits
+
+import glm53_patches.patches.dequantized_experts as dequantized_experts
+from glm53_patches.patches.dequantized_experts import experts
+
+PATCH = dequantized_experts.PATCH
+PROMPT = mx.array([[(7 * i + 3) % 500 for i in range(40)]])
+
+
+def bits(a):
+    return a.view({4: mx.uint32, 2: mx.uint16}[a.dtype.size])
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(bits(a), bits(b)).item()
+
+
+@pytest.fixture
+def fast_path(monkeypatch):
+    monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_FAST_PATH", "1")
+    monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS", "16")
+    experts.clear()
+    yield
+    glm53_patches.disable([PATCH.name])
+    experts.clear()
+
+
+def run(language_model, tokens, steps, resume=None):
+    """Greedy logits and the final cache arrays (``resume``: a first prefill before ``tokens``)."""
+    cache = language_model.make_cache()
+    if resume is not None:
+        mx.eval(language_model(resume, cache=cache).logits)
+    logits = greedy_logits(language_model, tokens, steps, cache=cache)
+    arrays = [a for c in cache for a in (c.state if isinstance(c.state, (list, tuple)) else [c.state])
+              if isinstance(a, mx.array)]
+    return logits, arrays
+
+
+def hits():
+    return PATCH.stats.snapshot()["hits"].get("dequantized", 0)
+
+
+@pytest.mark.parametrize("quantize_bits", [4, 8])
+@pytest.mark.parametrize("case", ["batch 1", "batch 2", "resumed"])
+def test_bit_for_bit_with_stock(fast_path, quantize_bits, case):
+    language_model = build_model(quantize_bits=quantize_bits, seed=3).language_model
+    tokens, resume = PROMPT, None
+    if case == "batch 2":
+        tokens = mx.concatenate([PROMPT, PROMPT[:, ::-1]])
+    if case == "resumed":
+        tokens, resume = PROMPT[:, 20:], PROMPT[:, :20]
+    expected = run(language_model, tokens, 12, resume)
+    assert glm53_patches.enable([PATCH.name], strict=True)[PATCH.name]["state"] == "applied"
+    before = hits()
+    actual = run(language_model, tokens, 12, resume)
+    for group_expected, group_actual in zip(expected, actual):
+        assert len(group_expected) == len(group_actual) > 0
+        assert all(same(a, b) for a, b in zip(group_expected, group_actual))
+    moe_layers = sum(kind == "sparse" for kind in language_model.model.config.mlp_layer_types)
+    prefills = 2 if case == "resumed" else 1
+    assert hits() - before == moe_layers * prefills  # every prefill chunk dequantized, no decode step
+    switch_mlp = next(l.mlp.switch_mlp for l in language_model.model.layers if hasattr(l.mlp, "switch_mlp"))
+    assert type(switch_mlp.up_proj).__name__ == "QuantizedSwitchLinear"  # the model itself is untouched
+
+
+def test_chunks_below_the_threshold_and_unquantized_weights_stay_stock(fast_path, monkeypatch):
+    monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS", "41")
+    experts.clear()
+    glm53_patches.enable([PATCH.name], strict=True)
+    before = dict(PATCH.stats.snapshot()["fallbacks"])
+    greedy_logits(build_model(quantize_bits=4, seed=3).language_model, PROMPT, 1)  # 40 tokens < 41
+    monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS", "16")
+    experts.clear()
+    greedy_logits(build_model(seed=3).language_model, PROMPT, 0)  # fp32 experts
+    after = PATCH.stats.snapshot()["fallbacks"]
+    assert after["not a prefill chunk"] > before.get("not a prefill chunk", 0)
+    assert after["weights not affine-quantized"] > before.get("weights not affine-quantized", 0)
+
+
+def test_auto_without_a_verify_record_keeps_stock(monkeypatch):
+    monkeypatch.delenv("GLM53_DEQUANTIZED_EXPERTS_FAST_PATH", raising=False)
+    experts.clear()
+    assert experts.switch.wanted("cpu") is False and experts.switch.wanted("cuda") is False
+    monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_FAST_PATH", "0")
+    experts.clear()
+    assert experts.switch.wanted("cpu") is False
+    monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_FAST_PATH", "1")
+    experts.clear()
+    assert experts.switch.wanted("cpu") is True and experts.switch.wanted("cuda") is True
+    experts.clear()
+
+
+@pytest.mark.parametrize("variable, value", [("GLM53_DEQUANTIZED_EXPERTS_FAST_PATH", "sometimes"),
+                                             ("GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS", "many"),
+                                             ("GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS", "0")])
+def test_bad_values_are_named_and_change_nothing(monkeypatch, caplog, variable, value):
+    monkeypatch.setenv(variable, value)
+    experts.clear()
+    with caplog.at_level(logging.ERROR, logger="glm53_patches"):
+        if variable.endswith("FAST_PATH"):
+            assert experts.switch.wanted("cpu") is False
+        else:
+            assert experts.min_tokens() == experts.DEFAULT_MIN_TOKENS
+    assert variable in caplog.text and "accepted" in caplog.text
+    experts.clear()
+
+
+def test_another_models_moe_is_left_alone(fast_path):
+    from mlx_vlm.models.switch_layers import MoE
+
+    class OtherMoE(MoE):
+        pass
+
+    before = PATCH.stats.snapshot()
+    assert experts.dequantizing_copy(OtherMoE(), mx.zeros((1, 64, 8))) is None
+    assert PATCH.stats.snapshot() == before  # not counted either way
+
+
+def test_revert_restores_the_original_object():
+    from mlx_vlm.models.switch_layers import MoE
+
+    original = MoE.__dict__["__call__"]
+    glm53_patches.enable([PATCH.name], strict=True)
+    assert MoE.__dict__["__call__"] is not original
+    glm53_patches.disable([PATCH.name])
+    assert MoE.__dict__["__call__"] is original
