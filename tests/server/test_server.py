@@ -25,13 +25,13 @@ def _answers(server):
 SERVING = ("compiled_kda_decode", "hc_decode", "dsa_decode", "gathered_prefill")
 
 
-def _published(state_dir, pid, timeout=10):
+def _published(state_dir, pid, timeout=10, serving=SERVING):
     """The process's published status, once every serving patch's hits are in it."""
     path = state_dir / f"{pid}.json"
     deadline = time.time() + timeout
     while True:
         report = json.loads(path.read_text())
-        if all(report["patches"][n]["stats"]["hits"] for n in SERVING) or time.time() > deadline:
+        if all(report["patches"][n]["stats"]["hits"] for n in serving) or time.time() > deadline:
             return report
         time.sleep(0.5)
 
@@ -67,3 +67,18 @@ def test_bad_values_log_one_line_and_the_server_still_serves(server_factory, tin
             ours = [line for line in server.log().splitlines() if "glm53-patches" in line]
         assert text
         assert len(ours) == 1 and variable in ours[0] and "accepted" in ours[0], ours
+
+
+def test_dequantized_experts_serves_prefill_exactly_like_stock(server_factory, tiny_q4_dir, tmp_path):
+    """The prefill patch, forced on the CPU (fp32 activations over 4-bit experts) with a
+    threshold the chat prompts pass: the same answers as stock, and its path served them."""
+    with server_factory(tiny_q4_dir) as stock:
+        stock_answers = _answers(stock)
+    env = {"GLM53_PATCHES": "dequantized_experts", "GLM53_DEQUANTIZED_EXPERTS_FAST_PATH": "1",
+           "GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS": "9"}
+    with server_factory(tiny_q4_dir, env=env) as patched:
+        patched_answers = _answers(patched)
+        report = _published(tmp_path / "state", patched.process.pid, serving=("dequantized_experts",))
+    assert patched_answers == stock_answers
+    stats = report["patches"]["dequantized_experts"]["stats"]
+    assert stats["hits"].get("dequantized", 0) > 0 and stats["fallbacks"].get("not a prefill chunk", 0) > 0
