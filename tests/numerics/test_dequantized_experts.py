@@ -18,7 +18,7 @@ import glm53_patches.patches.dequantized_experts as dequantized_experts
 from glm53_patches.patches.dequantized_experts import experts
 
 PATCH = dequantized_experts.PATCH
-PROMPT = mx.array([[(7 * i + 3) % 500 for i in range(40)]])
+PROMPT = mx.array([[(7 * i + 3) % 500 for i in range(80)]])  # 80 x top-2 routes: SwitchGLU sorts them
 
 
 def bits(a):
@@ -62,7 +62,7 @@ def test_bit_for_bit_with_stock(fast_path, quantize_bits, case):
     if case == "batch 2":
         tokens = mx.concatenate([PROMPT, PROMPT[:, ::-1]])
     if case == "resumed":
-        tokens, resume = PROMPT[:, 20:], PROMPT[:, :20]
+        tokens, resume = PROMPT[:, 40:], PROMPT[:, :40]
     expected = run(language_model, tokens, 12, resume)
     assert glm53_patches.enable([PATCH.name], strict=True)[PATCH.name]["state"] == "applied"
     before = hits()
@@ -78,17 +78,20 @@ def test_bit_for_bit_with_stock(fast_path, quantize_bits, case):
 
 
 def test_chunks_below_the_threshold_and_unquantized_weights_stay_stock(fast_path, monkeypatch):
-    monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS", "41")
+    monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS", "81")
     experts.clear()
     glm53_patches.enable([PATCH.name], strict=True)
-    before = dict(PATCH.stats.snapshot()["fallbacks"])
-    greedy_logits(build_model(quantize_bits=4, seed=3).language_model, PROMPT, 1)  # 40 tokens < 41
+    before, hits_before = dict(PATCH.stats.snapshot()["fallbacks"]), hits()
+    quantized = build_model(quantize_bits=4, seed=3).language_model
+    greedy_logits(quantized, PROMPT, 1)  # 80 tokens < 81
     monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS", "16")
     experts.clear()
+    greedy_logits(quantized, PROMPT[:, :20], 0)  # 20 tokens x top-2: unsorted routes
     greedy_logits(build_model(seed=3).language_model, PROMPT, 0)  # fp32 experts
     after = PATCH.stats.snapshot()["fallbacks"]
-    assert after["not a prefill chunk"] > before.get("not a prefill chunk", 0)
-    assert after["weights not affine-quantized"] > before.get("weights not affine-quantized", 0)
+    for reason in ("not a prefill chunk", "too few routes to be sorted", "weights not affine-quantized"):
+        assert after[reason] > before.get(reason, 0), reason
+    assert PATCH.stats.snapshot()["hits"].get("dequantized", 0) == hits_before
 
 
 def test_auto_without_a_verify_record_keeps_stock(monkeypatch):

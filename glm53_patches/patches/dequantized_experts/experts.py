@@ -69,6 +69,8 @@ def unsupported(moe, x):
         return "not a SwitchGLU in inference"
     if x.ndim != 3 or x.shape[1] <= max(_linear.DECODE_BLOCK_SIZE, 1) or x.shape[1] < min_tokens():
         return "not a prefill chunk"  # decode and speculative blocks have their own exact paths
+    if x.shape[0] * x.shape[1] * moe.gate.top_k < 64:
+        return "too few routes to be sorted"  # SwitchGLU sorts from 64 on; verify covers sorted rows
     for name in PROJECTIONS:
         p = getattr(glu, name)
         if type(p) is not QuantizedSwitchLinear or getattr(p, "mode", "affine") != "affine":
