@@ -6,7 +6,8 @@ verify <patch>` passed on this machine for these mlx / mlx-vlm versions;
 naming the variable, and keeps the kernel off. The decision is made once per
 backend and process (``clear`` forgets it; ``forcing`` overrides it).
 A patch whose fast path is not a kernel names its own knob and backends
-(dequantized_experts: GLM53_DEQUANTIZED_EXPERTS_FAST_PATH, the CPU too).
+(dequantized_experts: GLM53_DEQUANTIZED_EXPERTS_FAST_PATH, the CPU too, and
+``auto`` never on Metal, where its speed is unmeasured).
 """
 
 import contextlib
@@ -28,8 +29,9 @@ def _parse(value):
 
 
 class KernelSwitch:
-    def __init__(self, patch: str, backends=("cuda", "metal"), knob="kernel"):
+    def __init__(self, patch: str, backends=("cuda", "metal"), knob="kernel", auto_backends=None):
         self.patch, self.backends, self.knob = patch, backends, knob  # backends: where it can run at all
+        self.auto_backends = backends if auto_backends is None else auto_backends  # where `auto` may run it
         self._decision = {}  # backend -> bool
         self._forced = None
 
@@ -45,7 +47,7 @@ class KernelSwitch:
                 log.error(f"{self.patch}: {error}; the kernel stays off")
                 setting = False
             if setting is None:
-                setting = verify_records.passed(self.patch, backend)
+                setting = backend in self.auto_backends and verify_records.passed(self.patch, backend)
             self._decision[backend] = bool(setting)
         return self._decision[backend]
 

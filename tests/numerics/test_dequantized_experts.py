@@ -103,7 +103,20 @@ def test_auto_without_a_verify_record_keeps_stock(monkeypatch):
     assert experts.switch.wanted("cpu") is False
     monkeypatch.setenv("GLM53_DEQUANTIZED_EXPERTS_FAST_PATH", "1")
     experts.clear()
-    assert experts.switch.wanted("cpu") is True and experts.switch.wanted("cuda") is True
+    assert all(experts.switch.wanted(b) for b in ("cpu", "cuda", "metal"))
+    experts.clear()
+
+
+def test_auto_takes_a_verify_record_on_cuda_and_the_cpu_but_not_on_metal(monkeypatch, tmp_path):
+    from glm53_patches import verify_records
+
+    monkeypatch.setenv("GLM53_PATCHES_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("GLM53_DEQUANTIZED_EXPERTS_FAST_PATH", raising=False)
+    for backend in ("cpu", "cuda", "metal"):
+        verify_records.record(PATCH.name, backend, {"passed": True, "exact": True})
+    experts.clear()
+    assert experts.switch.wanted("cpu") and experts.switch.wanted("cuda")
+    assert not experts.switch.wanted("metal")  # its speed there is unmeasured
     experts.clear()
 
 
