@@ -90,7 +90,7 @@ def dequantizing_copy(self, x):
     if not isinstance(self, _lang.Glm5NextMoE):
         return None  # another model's MoE: not ours to count
     if not switch.wanted(backend()):
-        stats.fallback("off here (not verified on this backend)")
+        stats.fallback("off on this backend (GLM53_DEQUANTIZED_EXPERTS_FAST_PATH)")
         return None
     reason = unsupported(self, x)
     if reason is not None:
