@@ -12,6 +12,8 @@ import mlx.core as mx
 import pytest
 
 import glm53_patches
+from glm53_patches.bench.synthetic import cache_arrays
+from glm53_patches.exactness import same_bits
 from glm53_patches.tiny_model import build_model, greedy_logits
 
 import glm53_patches.patches.dequantized_experts as dequantized_experts
@@ -19,14 +21,6 @@ from glm53_patches.patches.dequantized_experts import experts
 
 PATCH = dequantized_experts.PATCH
 PROMPT = mx.array([[(7 * i + 3) % 500 for i in range(80)]])  # 80 x top-2 routes: SwitchGLU sorts them
-
-
-def bits(a):
-    return a.view({4: mx.uint32, 2: mx.uint16}[a.dtype.size])
-
-
-def same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(bits(a), bits(b)).item()
 
 
 @pytest.fixture
@@ -44,10 +38,7 @@ def run(language_model, tokens, steps, resume=None):
     cache = language_model.make_cache()
     if resume is not None:
         mx.eval(language_model(resume, cache=cache).logits)
-    logits = greedy_logits(language_model, tokens, steps, cache=cache)
-    arrays = [a for c in cache for a in (c.state if isinstance(c.state, (list, tuple)) else [c.state])
-              if isinstance(a, mx.array)]
-    return logits, arrays
+    return greedy_logits(language_model, tokens, steps, cache=cache), cache_arrays(cache)
 
 
 def hits():
@@ -69,7 +60,7 @@ def test_bit_for_bit_with_stock(fast_path, quantize_bits, case):
     actual = run(language_model, tokens, 12, resume)
     for group_expected, group_actual in zip(expected, actual):
         assert len(group_expected) == len(group_actual) > 0
-        assert all(same(a, b) for a, b in zip(group_expected, group_actual))
+        assert all(same_bits(a, b) for a, b in zip(group_expected, group_actual))
     moe_layers = sum(kind == "sparse" for kind in language_model.model.config.mlp_layer_types)
     prefills = 2 if case == "resumed" else 1
     assert hits() - before == moe_layers * prefills  # every prefill chunk dequantized, no decode step
