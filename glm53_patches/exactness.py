@@ -91,10 +91,11 @@ def _served_dtype(model, dtype):
     return model
 
 
-def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16):
+def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, variants=None):
     """Greedy decode of the tiny model with ``owner.attr`` = ``stock`` vs ``patched`` (inside ``forcing()``).
 
-    Models: fp32; 4-bit on the CPU, bf16 on a GPU (MLX's CUDA quantized
+    Models (``variants``: (label, quantize bits, served dtype or None)): by
+    default fp32; 4-bit on the CPU, bf16 on a GPU (MLX's CUDA quantized
     matmul has no fp32 kernel for the tiny shapes). Batch 1 and 2; every
     step's logits bit for bit.
     """
@@ -102,7 +103,8 @@ def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16):
 
     installed = vars(owner)[attr]
     prompt = mx.array([[(5 * i + 2) % 500 for i in range(40)]])
-    variants = (("fp32", None, None), ("4-bit", 4, None) if backend() == "cpu" else ("bf16", None, mx.bfloat16))
+    if variants is None:
+        variants = (("fp32", None, None), ("4-bit", 4, None) if backend() == "cpu" else ("bf16", None, mx.bfloat16))
     for label, bits, dtype in variants:
         try:
             model = tiny_model.build_model(seed=1, quantize_bits=bits)

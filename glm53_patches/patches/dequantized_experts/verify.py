@@ -13,11 +13,12 @@
    logits of every step bit for bit, and the dequantized path must have run.
 """
 
+import contextlib
 import time
 
 import mlx.core as mx
 
-from glm53_patches.exactness import Tally, _served_dtype
+from glm53_patches.exactness import Tally, compare_tiny_models
 from glm53_patches.registry import backend
 
 WIDTHS = {"gpu": (4096, 2048, 64, 8, mx.bfloat16), "cpu": (512, 256, 16, 4, mx.float32)}
@@ -43,30 +44,30 @@ def check_projections(tally, on_gpu):
                 tally.compare(f"{bits}-bit {experts}x{rows_out}x{rows_in}, {tokens} tokens", [expected], [got])
 
 
+@contextlib.contextmanager
+def _forced_below_the_tiny_prompt():
+    """The fast path on, with a threshold the tiny model's 40-token prompt passes."""
+    from . import experts
+
+    saved, experts._min_tokens = experts._min_tokens, 16
+    try:
+        with experts.switch.forcing(True):
+            yield
+    finally:
+        experts._min_tokens = saved
+
+
 def check_tiny_models(tally, on_gpu):
     from mlx_vlm.models.switch_layers import MoE
 
-    from glm53_patches import registry, tiny_model
+    from glm53_patches import registry
 
     from . import PATCH, experts
 
     stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
-    installed = vars(MoE)["__call__"]
-    prompt = mx.array([[(5 * i + 2) % 500 for i in range(40)]])
-    for bits in (4, 8):
-        model = tiny_model.build_model(seed=1, quantize_bits=bits)
-        language_model = (_served_dtype(model, mx.bfloat16) if on_gpu else model).language_model
-        for batch, tokens in ((1, prompt), (2, mx.concatenate([prompt, prompt[:, ::-1]]))):
-            results = []
-            for fn in (stock, experts.make_call(stock)):
-                saved = experts._min_tokens
-                try:
-                    MoE.__call__, experts._min_tokens = fn, 16
-                    with experts.switch.forcing(True):
-                        results.append(tiny_model.greedy_logits(language_model, tokens, 16))
-                finally:
-                    MoE.__call__, experts._min_tokens = installed, saved
-            tally.compare(f"tiny model {bits}-bit B={batch}", *results)
+    variants = [(f"{bits}-bit", bits, mx.bfloat16 if on_gpu else None) for bits in (4, 8)]
+    compare_tiny_models(tally, MoE, "__call__", stock, experts.make_call(stock), _forced_below_the_tiny_prompt,
+                        variants=variants)
 
 
 def verify():
