@@ -210,10 +210,10 @@ class Bench:
         workload = measure.Workload(f"prefill {key}", make, step, final, token=token, unit="ms")
         check = None
         if short_step is not None:
-            n = self.args.prefill_check_tokens
-            check = measure.Workload(f"{family} first {n} tokens", make, short_step, final, token=token, unit="ms")
-            check = False if check.name in self._prefill_checked else check
-            self._prefill_checked.add(check and check.name)
+            name = f"{family} first {self.args.prefill_check_tokens} tokens"
+            check = False if name in self._prefill_checked else \
+                measure.Workload(name, make, short_step, final, token=token, unit="ms")
+            self._prefill_checked.add(name)
         timed = self._run("prefill", key, workload, steps=1, warmup=0, check_steps=1,
                           rounds=self.args.prefill_rounds, check_workload=check)
         for entry in timed["arms"].values():
