@@ -2,6 +2,8 @@
 # `merge_ptx`, which run measurements inside the wall-clock budget BUDGET (seconds).
 # ROOT (default /root), EXTRA (extra bench options, e.g. --small for a CPU dry
 # run) and SITE (PYTHONPATH; default /root/site) may be set by the caller.
+# Collect with polls that first check `test -d /root/res || exit 3`: a poll that
+# comes after the machine's idle release lands on a fresh, bare machine.
 set -u
 START=$(date +%s)
 ROOT=${ROOT:-/root}

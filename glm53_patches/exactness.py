@@ -91,13 +91,13 @@ def _served_dtype(model, dtype):
     return model
 
 
-def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, variants=None):
+def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, variants=None, config=None):
     """Greedy decode of the tiny model with ``owner.attr`` = ``stock`` vs ``patched`` (inside ``forcing()``).
 
     Models (``variants``: (label, quantize bits, served dtype or None)): by
     default fp32; 4-bit on the CPU, bf16 on a GPU (MLX's CUDA quantized
-    matmul has no fp32 kernel for the tiny shapes). Batch 1 and 2; every
-    step's logits bit for bit.
+    matmul has no fp32 kernel for the tiny shapes). ``config``: overrides of
+    the tiny model's config. Batch 1 and 2; every step's logits bit for bit.
     """
     from . import tiny_model
 
@@ -107,7 +107,7 @@ def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, v
         variants = (("fp32", None, None), ("4-bit", 4, None) if backend() == "cpu" else ("bf16", None, mx.bfloat16))
     for label, bits, dtype in variants:
         try:
-            model = tiny_model.build_model(seed=1, quantize_bits=bits)
+            model = tiny_model.build_model(seed=1, quantize_bits=bits, **(config or {}))
         except ImportError as exc:  # a bare GPU machine without mlx-vlm's processor dependencies
             tally.notes.append(f"tiny model skipped: {exc}")
             return

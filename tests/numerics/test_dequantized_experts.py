@@ -13,7 +13,7 @@ import pytest
 
 import glm53_patches
 from glm53_patches.bench.synthetic import cache_arrays
-from glm53_patches.exactness import same_bits
+from glm53_patches.exactness import compare_tiny_models, same_bits
 from glm53_patches.tiny_model import build_model, greedy_logits
 
 import glm53_patches.patches.dequantized_experts as dequantized_experts
@@ -145,3 +145,26 @@ def test_revert_restores_the_original_object():
     assert MoE.__dict__["__call__"] is not original
     glm53_patches.disable([PATCH.name])
     assert MoE.__dict__["__call__"] is original
+
+
+def test_the_gpu_verify_model_is_wide_and_exact_here():
+    """verify's GPU tiny model: every quantized matmul 128 wide in (and per MLA
+    head out), the widths MLX's CUDA quantized kernels take; and its check runs
+    and passes here (fp32 in place of the GPU's bf16)."""
+    from mlx_vlm.models.switch_layers import MoE
+
+    from glm53_patches.exactness import Tally
+    from glm53_patches.patches.dequantized_experts.verify import _forced_below_the_tiny_prompt, gpu_widths
+
+    model = build_model(seed=1, quantize_bits=4, **gpu_widths())
+    for name, module in model.language_model.named_modules():
+        if hasattr(module, "bits") and hasattr(module, "weight") and module.weight.ndim >= 2:
+            assert module.weight.shape[-1] * 32 // module.bits % 128 == 0, name
+            if module.weight.ndim == 3 and "switch_mlp" not in name:  # the MLA's per-head projections
+                assert module.weight.shape[-2] % 128 == 0, name
+    tally, before = Tally(), hits()
+    stock = MoE.__dict__["__call__"]
+    compare_tiny_models(tally, MoE, "__call__", stock, experts.make_call(stock), _forced_below_the_tiny_prompt,
+                        variants=[("4-bit", 4, None)], config=gpu_widths())
+    result = tally.result(0.0)
+    assert result["exact"] and result["cases"] == 2 and hits() > before, result

@@ -11,6 +11,7 @@
    fp32 on the CPU), batch 1 and 2: prefill with the patch's threshold
    lowered so its 40-token prompt dequantizes, then 16 greedy steps;
    logits of every step bit for bit, and the dequantized path must have run.
+   On a GPU the tiny model is widened (``GPU_WIDTHS``).
 """
 
 import contextlib
@@ -22,6 +23,18 @@ from glm53_patches.exactness import Tally, compare_tiny_models
 from glm53_patches.registry import backend
 
 WIDTHS = {"gpu": (4096, 2048, 64, 8, mx.bfloat16), "cpu": (512, 256, 16, 4, mx.float32)}
+
+
+def gpu_widths():
+    """Tiny-model overrides that make every quantized matmul's input width, and the
+    MLA's per-head widths, 128 (as in the real model): MLX 0.32.4's CUDA
+    quantized_matmul has no kernel for the tiny model's 64-wide per-head MLA
+    projections (an H200 raised on 40x64x64 x 4 heads)."""
+    from glm53_patches import tiny_model
+
+    kda = tiny_model.tiny_config()["text_config"]["linear_attn_config"]
+    wide = ("moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_head_dim")
+    return {**dict.fromkeys(wide, 128), "linear_attn_config": {**kda, "head_dim": 128}}
 
 
 def check_projections(tally, on_gpu):
@@ -67,7 +80,7 @@ def check_tiny_models(tally, on_gpu):
     stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
     variants = [(f"{bits}-bit", bits, mx.bfloat16 if on_gpu else None) for bits in (4, 8)]
     compare_tiny_models(tally, MoE, "__call__", stock, experts.make_call(stock), _forced_below_the_tiny_prompt,
-                        variants=variants)
+                        variants=variants, config=gpu_widths() if on_gpu else None)
 
 
 def verify():
