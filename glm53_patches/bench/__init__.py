@@ -37,6 +37,9 @@ def add_arguments(parser):
     a("--prefill-check-tokens", type=int,
       help="compare prefills with stock (and warm up) on the prompt's first N tokens, once, instead of the whole "
            "prompt at every length: long prompts then cost one timed run per arm (default: the whole prompt)")
+    a("--prefill-untimed-stock", action="store_true",
+      help="prefill: stock runs only as the check's reference, untimed; the other arms are timed and "
+           "compared with the first of them (stock's long prefills cost minutes)")
     a("--sections", default=",".join(SECTIONS), help=f"which, in order (default {','.join(SECTIONS)})")
     a("--budget-s", type=float, help="stop starting new sections/rounds after this many seconds")
     a("--force", action="store_true", help="apply patches even where the drift guard refuses them (noted)")

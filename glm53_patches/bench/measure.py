@@ -150,9 +150,6 @@ class Arms:
         self.release()
         self._logger.setLevel(self._log_level)
 
-    def order(self, round_index):
-        return self.labels if round_index % 2 == 0 else self.labels[::-1]
-
 
 # -- timing ----------------------------------------------------------------------------
 
@@ -231,13 +228,15 @@ class Runner:
                                "stock_digest": _digest([x for o in stock["outs"] for x in o])}
         return verdicts
 
-    def timed(self, workload, rounds, warmup, steps):
-        """Interleaved rounds (A B, B A, ...), each from a fresh state."""
-        times = {label: [] for label in self.arms.labels}
-        peaks = {label: 0 for label in self.arms.labels}
-        tokens = {label: [] for label in self.arms.labels}
+    def timed(self, workload, rounds, warmup, steps, time_stock=True):
+        """Interleaved rounds (A B, B A, ...), each from a fresh state. Without
+        ``time_stock``, stock is left out and ratios are against the first arm."""
+        labels = [l for l in self.arms.labels if time_stock or l != "stock"]
+        times = {label: [] for label in labels}
+        peaks = {label: 0 for label in labels}
+        tokens = {label: [] for label in labels}
         for r in range(rounds):
-            for label in self.arms.order(r):
+            for label in (labels if r % 2 == 0 else labels[::-1]):
                 self.arms.activate(label)
                 state = workload.make()
                 seen = []
@@ -264,17 +263,18 @@ class Runner:
                 break
         self.arms.release()
         out = {}
-        base = summarize(times["stock"])
-        for label in self.arms.labels:
+        base_label = labels[0]  # stock, when timed
+        base = summarize(times[base_label])
+        for label in labels:
             entry = summarize(times[label])
-            entry["ratio_vs_stock"] = base["median"] / entry["median"]
+            entry[f"ratio_vs_{'stock' if time_stock else 'first_arm'}"] = base["median"] / entry["median"]
             entry["ratio_rounds"] = [s / a for s, a in zip(base["round_medians"], entry["round_medians"])]
             entry["peak_memory"] = peaks[label]
-            if workload.token:
+            if workload.token and time_stock:
                 entry["timed_tokens_match_stock"] = all(t == tokens["stock"][0] for t in tokens[label])
             out[label] = entry
-        return {"unit": workload.unit, "rounds": len(times["stock"]), "warmup": warmup, "steps": steps,
-                "arms": out}
+        return {"unit": workload.unit, "rounds": len(times[base_label]), "warmup": warmup, "steps": steps,
+                "ratio_base": base_label, "arms": out}
 
 
 def _f32(x):

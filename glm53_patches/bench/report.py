@@ -73,13 +73,22 @@ def write_json(results, path):
     os.replace(tmp, path)
 
 
+def _speedup(results, label, entry, base="stock"):
+    """' 1.23x' against stock (or ' 1.23x vs first' where stock was untimed); a flag if invalid."""
+    if label == base:
+        return ""
+    if not is_valid(results, label):
+        return f" {_flag(results, label)}"
+    if base == "stock":
+        return f" {entry['ratio_vs_stock']:.2f}x"
+    return f" {entry['ratio_vs_first_arm']:.2f}x vs first"
+
+
 def _cell(results, label, entry, scale=1.0, fmt="{:.3f}"):
     if entry is None:
         return "-"
     text = f"{fmt.format(entry['median'] * scale)} [{fmt.format(entry['min'] * scale)}-{fmt.format(entry['max'] * scale)}]"
-    if label != "stock":
-        text += f" {_flag(results, label)}" if not is_valid(results, label) else f" {entry['ratio_vs_stock']:.2f}x"
-    return text
+    return text + _speedup(results, label, entry)
 
 
 def table(results):
@@ -105,9 +114,12 @@ def table(results):
     for length, entry in results.get("prefill", {}).items():
         cells = []
         for l in labels:
-            e = entry["arms"][l]
+            e = entry["arms"].get(l)
+            if e is None:
+                cells.append("untimed")
+                continue
             c = f"{e['tokens_per_s']:.1f} [{e['tokens_per_s_min']:.1f}-{e['tokens_per_s_max']:.1f}]"
-            cells.append(c + ("" if l == "stock" else (f" {_flag(results, l)}" if not is_valid(results, l) else f" {e['ratio_vs_stock']:.2f}x")))
+            cells.append(c + _speedup(results, l, e, entry.get("ratio_base", "stock")))
         rows.append((f"prefill {length} tok/s", cells))
     graph = results.get("graph_primitives", {}).get("decode_step")
     if graph:
@@ -142,11 +154,11 @@ def write_png(results, path):
     panels += [(f"prefill {n} (ms)", e) for n, e in results.get("prefill", {}).items()]
     if not panels:
         return "nothing measured: no PNG written"
-    labels = list(results["arms"])
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     for ax, (title, entry) in zip(axes.flat, panels):
+        labels = [l for l in results["arms"] if l in entry["arms"]]
         med = [entry["arms"][l]["median"] for l in labels]
         err = [[m - entry["arms"][l]["min"] for m, l in zip(med, labels)],
                [entry["arms"][l]["max"] - m for m, l in zip(med, labels)]]

@@ -45,19 +45,19 @@ class Bench:
         return xs
 
     def _run(self, group, name, workload, steps=None, warmup=None, check_steps=None, rounds=None,
-             check_workload=None):
+             check_workload=None, time_stock=True):
         """Check (against stock, bit for bit) then time; ``check_workload`` checks instead
         of ``workload``, False skips the check."""
         a = self.args
         check = {} if check_workload is False else \
             self.runner.check(check_workload or workload, check_steps or max(a.check_steps, 1))
         timed = self.runner.timed(workload, rounds or a.rounds, a.warmup if warmup is None else warmup,
-                                  a.steps if steps is None else steps)
+                                  a.steps if steps is None else steps, time_stock)
         timed["check"] = check
         checked = f"{group}.{check_workload.name if check_workload else name}"
         for label, verdict in check.items():
             self.results["correctness"].setdefault(label, {})[checked] = verdict
-            if "timed_tokens_match_stock" in timed["arms"][label]:
+            if "timed_tokens_match_stock" in timed["arms"].get(label, {}):
                 verdict["timed_tokens_match"] = timed["arms"][label]["timed_tokens_match_stock"]
         self.results.setdefault(group, {})[name] = timed
         self.results["peak_memory"][f"{group}.{name}"] = {l: e["peak_memory"] for l, e in timed["arms"].items()}
@@ -215,7 +215,8 @@ class Bench:
                 measure.Workload(name, make, short_step, final, token=token, unit="ms")
             self._prefill_checked.add(name)
         timed = self._run("prefill", key, workload, steps=1, warmup=0, check_steps=1,
-                          rounds=self.args.prefill_rounds, check_workload=check)
+                          rounds=self.args.prefill_rounds, check_workload=check,
+                          time_stock=not self.args.prefill_untimed_stock)
         for entry in timed["arms"].values():
             entry["tokens_per_s"] = length / entry["median"] * 1e3
             entry["tokens_per_s_min"] = length / entry["max"] * 1e3

@@ -215,3 +215,31 @@ def test_prefill_check_on_a_short_prompt_runs_once(tmp_path):
     assert checks["prefill.model first 8 tokens"]["stock_seconds"] > 0
     assert r["prefill"]["12"]["check"] and r["prefill"]["16"]["check"] == {}
     assert all(r["prefill"][n]["arms"]["bench_probe_wrong"]["tokens_per_s"] > 0 for n in ("8", "12", "16"))
+
+
+def test_prefill_untimed_stock_is_only_the_checks_reference(tmp_path, capsys):
+    """--prefill-untimed-stock: stock still decides the check, is not timed, and the
+    other arms' ratios are against the first of them (table and PNG still drawn)."""
+    saved = registry._extra_plugins, registry._plugins
+    registry._extra_plugins, registry._plugins = [], None
+    registry.register_plugin(_Plugin(_patch("bench_probe_exact"), _patch("bench_probe_also_exact"),
+                                     _patch("bench_probe_wrong", scale=3.0)))
+    out = tmp_path / "untimed.json"
+    try:
+        main(["--small", "--arms", "stock,bench_probe_exact,bench_probe_also_exact,bench_probe_wrong", "--sections", "prefill",
+              "--prefill", "12", "--prefill-check-tokens", "8", "--prefill-rounds", "2", "--prefill-untimed-stock",
+              "--quiet", "--out", str(out)])
+    finally:
+        registry.revert()
+        registry._extra_plugins, registry._plugins = saved
+    r = json.loads(out.read_text())
+    entry = r["prefill"]["12"]
+    assert list(entry["arms"]) == ["bench_probe_exact", "bench_probe_also_exact", "bench_probe_wrong"]
+    assert entry["ratio_base"] == "bench_probe_exact"
+    assert entry["arms"]["bench_probe_exact"]["ratio_vs_first_arm"] == 1.0
+    assert entry["arms"]["bench_probe_wrong"]["ratio_vs_first_arm"] > 0 and entry["rounds"] == 2
+    assert entry["check"]["bench_probe_exact"]["outputs_bitwise"]
+    assert not entry["check"]["bench_probe_wrong"]["outputs_bitwise"]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill 12 tok/s"))
+    assert row.count("untimed") == 1 and row.count("x vs first") == 1  # stock; the second exact arm
+    assert (tmp_path / "untimed.png").exists()
