@@ -102,6 +102,9 @@ def run(args):
     config = synthetic.text_config(preset, layers=args.layers, experts=experts)
     progress(f"building {preset} model: {config.num_hidden_layers} layers, {experts} experts, {args.dtype}")
     arms = measure.Arms(args.arms, progress, force=args.force)
+    if args.prefill_untimed_stock and len(arms.labels) < 2:
+        print("--prefill-untimed-stock needs an arm besides stock to time", file=sys.stderr)
+        return 2
     model = synthetic.build(config, dtype=dtype, seed=args.seed, progress=progress)
     weights = synthetic.decode_bytes(model, config)
     kda_layers = config.layer_types.count("linear_attention")

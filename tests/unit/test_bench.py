@@ -243,3 +243,8 @@ def test_prefill_untimed_stock_is_only_the_checks_reference(tmp_path, capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill 12 tok/s"))
     assert row.count("untimed") == 1 and row.count("x vs first") == 1  # stock; the second exact arm
     assert (tmp_path / "untimed.png").exists()
+
+
+def test_prefill_untimed_stock_alone_is_refused(capsys):
+    assert main(["--small", "--arms", "stock", "--sections", "prefill", "--prefill-untimed-stock", "--quiet"]) == 2
+    assert "--prefill-untimed-stock needs an arm besides stock" in capsys.readouterr().err
