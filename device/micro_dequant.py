@@ -9,19 +9,14 @@ import time
 
 import mlx.core as mx
 
+from glm53_patches.bench.measure import _median_time
+
 M, HIDDEN, MOE, EXPERTS, TOPK = 2048, 4096, 2048, 64, 8
 
 
-def timed(fn, reps=5):
-    mx.eval(fn())
-    mx.synchronize()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        out.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(out)
+def timed(fn):
+    """Median ms of 5 calls after one warm-up (mx.eval returns once the result is computed)."""
+    return _median_time(fn, 5, warm=1) * 1e3
 
 
 def quantized(shape, bits, key):

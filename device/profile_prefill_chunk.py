@@ -25,7 +25,7 @@ import types
 import mlx.core as mx
 import mlx.nn as nn
 
-CHUNK = 2048
+from glm53_patches.bench.sections import CHUNK, prefill_layer, representative_layers
 
 
 class Profiler:
@@ -66,16 +66,16 @@ class Profiler:
         setattr(owner, name, new)
 
     def install(self, layer, language):
-        method_key = lambda name: lambda args: (  # noqa: E731
-            self.names[id(args[0])] + name if args and id(args[0]) in self.names else None)
+        def method_key(suffix):  # the instance's path in the layer (None: not one of its modules)
+            return lambda args: self.names[id(args[0])] + suffix if args and id(args[0]) in self.names else None
+
         classes = {cls for m in layer.modules() for cls in type(m).__mro__
                    if issubclass(cls, nn.Module) and cls is not nn.Module}
         for cls in classes:
             for name, fn in list(vars(cls).items()):
                 ours = cls.__module__ == language.__name__
                 if inspect.isfunction(fn) and (name == "__call__" or (ours and not name.startswith("__"))):
-                    key = method_key("" if name == "__call__" else f".{name}")
-                    self._replace(cls, name, self._timed(fn, lambda args, key=key: key(args)))
+                    self._replace(cls, name, self._timed(fn, method_key("" if name == "__call__" else f".{name}")))
         for name, fn in list(vars(language).items()):
             if isinstance(fn, types.FunctionType) and not name.startswith("__"):
                 self._replace(language, name, self._timed(fn, lambda args, name=name: f"fn {name}"))
@@ -84,18 +84,6 @@ class Profiler:
         for owner, name, original in reversed(self.saved):
             setattr(owner, name, original)
         self.saved = []
-
-
-def chunks(layer, cache, x):
-    from mlx_vlm.models.base import create_ssm_mask
-
-    from glm53_patches.bench.synthetic import cache_arrays
-
-    for start in range(0, x.shape[1], CHUNK):
-        h = x[:, start:start + CHUNK]
-        mask = create_ssm_mask(h[:, :, 0], cache) if layer.is_linear else None
-        out, _ = layer(h, mask, cache, None)
-        mx.eval(out, cache_arrays(cache))
 
 
 def profile_layer(model, config, index, context, dtype):
@@ -111,20 +99,20 @@ def profile_layer(model, config, index, context, dtype):
     def fresh():
         cache = model.make_cache()[index]
         if head.shape[1]:
-            chunks(layer, cache, head)
+            prefill_layer(layer, cache, head)
         return cache
 
     for _ in range(2):  # the first run compiles kernels
         cache = fresh()
         start = time.perf_counter()
-        chunks(layer, cache, last)
+        prefill_layer(layer, cache, last)
         plain = time.perf_counter() - start
     cache = fresh()
     profiler = Profiler({id(m): f"layer {index}" + (f".{path}" if path else "") for path, m in layer.named_modules()})
     profiler.install(layer, import_language())
     try:
         start = time.perf_counter()
-        chunks(layer, cache, last)
+        prefill_layer(layer, cache, last)
         instrumented = time.perf_counter() - start
     finally:
         profiler.remove()
@@ -147,10 +135,7 @@ def main():
     config = synthetic.text_config("small" if a.small else "real", layers=5, experts=a.experts)
     dtype = mx.float32 if a.small else mx.bfloat16
     model = synthetic.build(config, dtype=dtype)
-    layers = model.model.layers
-    moe = [i for i, l in enumerate(layers) if type(l.mlp).__name__ == "Glm5NextMoE"]
-    kda = next(i for i in moe if layers[i].is_linear)
-    dsa = next(i for i in moe if not layers[i].is_linear and layers[i].self_attn.indexer is not None)
+    kda, dsa, _ = representative_layers(model.model.layers)
     names = [n for n in a.patches.split(",") if n]
     if names:
         glm53_patches.enable(names, strict=True)

@@ -11,6 +11,30 @@ CHUNK = 2048  # the prefill step mlx-vlm uses (prefill_step_size)
 SECTIONS = ("bandwidth", "kda", "decode", "graph", "dsa", "moe", "prefill", "prefill_kda", "prefill_dsa")
 
 
+def representative_layers(layers):
+    """(KDA, DSA, MoE) layer indices measured alone: a KDA layer and a DSA layer with its
+    own indexer, each with routed experts where one has them (DSA: None without one)."""
+    moe = [i for i, l in enumerate(layers) if type(l.mlp).__name__ == "Glm5NextMoE"]
+    kda = next((i for i in moe if layers[i].is_linear), next(i for i, l in enumerate(layers) if l.is_linear))
+    dsa = [i for i, l in enumerate(layers) if not l.is_linear and l.self_attn.indexer is not None]
+    dsa_index = next((i for i in dsa if i in moe), dsa[0] if dsa else None)
+    return kda, dsa_index, kda if kda in moe else (moe[0] if moe else None)
+
+
+def prefill_layer(layer, cache, x):
+    """``x`` [B, T, streams, hidden] through one decoder layer in the model's chunks, with
+    the mask the model gives it (none at batch 1), each chunk evaluated; the last output."""
+    from mlx_vlm.models.base import create_ssm_mask
+
+    out = None
+    for start in range(0, x.shape[1], CHUNK):
+        h = x[:, start:start + CHUNK]
+        mask = create_ssm_mask(h[:, :, 0], cache) if layer.is_linear else None
+        out, _ = layer(h, mask, cache, None)
+        mx.eval(out, synthetic.cache_arrays(cache))
+    return out
+
+
 class Bench:
     def __init__(self, args, model, config, arms, progress, save):
         self.args, self.model, self.config, self.arms = args, model, config, arms
@@ -21,13 +45,7 @@ class Bench:
         self.results = None  # set by the caller
         self._contexts = {}
         self._prefill_checked = set()
-        layers = model.model.layers
-        moe = [i for i, l in enumerate(layers) if type(l.mlp).__name__ == "Glm5NextMoE"]
-        self.kda_index = next((i for i in moe if layers[i].is_linear),
-                              next(i for i, l in enumerate(layers) if l.is_linear))
-        dsa = [i for i, l in enumerate(layers) if not l.is_linear and l.self_attn.indexer is not None]
-        self.dsa_index = next((i for i in dsa if i in moe), dsa[0] if dsa else None)
-        self.moe_index = self.kda_index if self.kda_index in moe else (moe[0] if moe else None)
+        self.kda_index, self.dsa_index, self.moe_index = representative_layers(model.model.layers)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -256,8 +274,6 @@ class Bench:
     def _prefill_layer(self, kind, index):
         """One decoder layer (both hyper-connections, attention, FFN) over a prompt, in
         the model's chunks and with the mask the model gives it (none at batch 1)."""
-        from mlx_vlm.models.base import create_ssm_mask
-
         model, layer, c = self.model, self.model.model.layers[index], self.config
 
         def make():
@@ -271,13 +287,7 @@ class Bench:
             mx.eval(x)
 
             def step(s, i, x=x):
-                out = None
-                for start in range(0, x.shape[1], CHUNK):
-                    h = x[:, start:start + CHUNK]
-                    mask = create_ssm_mask(h[:, :, 0], s["cache"]) if layer.is_linear else None
-                    out, _ = layer(h, mask, s["cache"], None)
-                    mx.eval(out, synthetic.cache_arrays(s["cache"]))
-                return [out[:, -1]]
+                return [prefill_layer(layer, s["cache"], x)[:, -1]]
 
             short = self._short(length, lambda s, i, x=x: step(s, i, x[:, :self.args.prefill_check_tokens]))
             self._prefill(f"{kind} layer {index} @{length}", length, make, step, final, short_step=short,
