@@ -2,7 +2,7 @@
 
 ``auto`` (the default) runs the kernel on a backend where `glm53-patches
 verify <patch>` passed on this machine for these mlx / mlx-vlm versions;
-``1`` runs it on any GPU backend, ``0`` never. A bad value is logged once,
+on (``1``) runs it on any GPU backend, off (``0``) never. A bad value is logged once,
 naming the variable, and keeps the kernel off. The decision is made once per
 backend and process (``clear`` forgets it; ``forcing`` overrides it).
 A patch whose fast path is not a kernel names its own knob and backends
@@ -14,18 +14,9 @@ import contextlib
 import logging
 
 from . import config, verify_records
+from .log import once
 
-log = logging.getLogger("glm53_patches")
-
-_VALUES = {"auto": None, "1": True, "on": True, "true": True, "force": True, "0": False, "off": False, "false": False}
-ACCEPTED = "auto (where `glm53-patches verify` passed), 1/on/force, 0/off"
-
-
-def _parse(value):
-    lowered = value.strip().lower()
-    if lowered not in _VALUES:
-        raise ValueError(f"accepted: {ACCEPTED}")
-    return _VALUES[lowered]
+KNOB = config.switch()  # what every such knob accepts; declare it in the patch's `knobs`
 
 
 class KernelSwitch:
@@ -38,13 +29,16 @@ class KernelSwitch:
     def wanted(self, backend) -> bool:
         """Does the kernel run on ``backend`` (one of ``backends``; never elsewhere)?"""
         if backend not in self.backends:
+            if config.knob(self.patch, self.knob, KNOB, None)[0]:
+                once(logging.INFO, f"{config.knob_variable(self.patch, self.knob)} is on, but {self.patch} has "
+                     f"no fast path on {backend} (only {', '.join(self.backends)}): the stock path runs")
             return False
         if self._forced is not None:
             return self._forced
         if backend not in self._decision:
-            setting, error = config.knob(self.patch, self.knob, _parse, None)
+            setting, error = config.knob(self.patch, self.knob, KNOB, None)
             if error:
-                log.error(f"{self.patch}: {error}; the kernel stays off")
+                once(logging.ERROR, f"{self.patch}: {error}; the kernel stays off")
                 setting = False
             if setting is None:
                 setting = backend in self.auto_backends and verify_records.passed(self.patch, backend)

@@ -5,6 +5,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
+from .config import Knob
 from .stats import Stats
 
 GLM5_NEXT = "mlx_vlm.models.glm5_next.language"
@@ -53,6 +54,8 @@ class Patch:
     # () -> {"exact": bool, "max_abs_diff": float, "cases": int, "detail": str}
     verify: Optional[Callable[[], Dict]] = None
     report: Optional[Callable[[], str]] = None  # extra detail for `status`
+    # Its settings, GLM53_<NAME>_<KNOB>: checked at start-up (a bad value applies nothing).
+    knobs: Dict[str, Knob] = field(default_factory=dict)
     stats: Stats = field(default_factory=Stats)
 
     @property

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from glm53_patches import log as glm53_log
 from glm53_patches.patches.gathered_prefill import PATCH, attention
 from glm53_patches.patches.gathered_prefill.verify import indexer_like
 from glm53_patches.tiny_model import build_model, tiny_config
@@ -152,7 +153,7 @@ def test_min_context_knob(patched, monkeypatch, value, hit):
 ])
 def test_bad_knob_value_keeps_the_default(monkeypatch, caplog, knob, value, read):
     monkeypatch.setenv(knob, value)
-    monkeypatch.setattr(attention, "_errors_logged", set())
+    monkeypatch.setattr(glm53_log, "_said", set())
     caplog.set_level(logging.ERROR, logger="glm53_patches")
     monkeypatch.setattr(logging.getLogger("glm53_patches"), "propagate", True)
     monkeypatch.delenv(knob)

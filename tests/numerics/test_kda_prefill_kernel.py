@@ -320,7 +320,7 @@ METHOD = "GLM53_KDA_PREFILL_KERNEL_METHOD"
 
 def test_method_knob_off_cuda(patched, monkeypatch, caplog):
     """On the CPU, auto and kernel both run the chunked path; a bad value logs once and means auto."""
-    caplog.set_level(logging.INFO, logger=mixer.log.name)
+    caplog.set_level(logging.INFO, logger="glm53_patches")
     layer = make_layer()
     x = mx.random.normal((1, 30, HIDDEN))
     ref = STOCK(layer, x)

@@ -47,10 +47,71 @@ def test_force_allows_a_patch_that_all_does_not_cover():
 
 
 def test_knob_parses_and_reports():
-    assert config.knob("p", "min", int, 7, {}) == (7, None)
-    assert config.knob("p", "min", int, 7, {"GLM53_P_MIN": "9"}) == (9, None)
-    value, error = config.knob("p", "min", int, 7, {"GLM53_P_MIN": "x"})
-    assert value == 7 and "GLM53_P_MIN='x'" in error
+    count = config.integer(1)
+    assert config.knob("p", "min", count, 7, {}) == (7, None)
+    assert config.knob("p", "min", count, 7, {"GLM53_P_MIN": "9"}) == (9, None)
+    value, error = config.knob("p", "min", count, 7, {"GLM53_P_MIN": "x"})
+    assert value == 7 and "GLM53_P_MIN='x'" in error and "accepted: a whole number, 1 or more" in error
+
+
+def test_one_vocabulary_for_every_switch():
+    """GLM53_PATCH_*, GLM53_PATCHES_STRICT, flag and switch knobs all take the same on/off words."""
+    flag, switch = config.flag(), config.switch()
+    for word, meaning in [("1", True), ("yes", True), ("ON", True), ("true", True),
+                          ("0", False), ("no", False), ("off", False), ("False", False)]:
+        assert config.parse_bool("V", word) == (meaning, None)
+        assert flag.read("V", word) == (meaning, None)
+        assert switch.read("V", word) == (meaning, None)
+        assert config.read({"GLM53_PATCH_X": word}).overrides == {"x": meaning}
+    assert switch.read("V", "Auto") == (None, None)
+    for bad in ("auto", "force", "2", ""):
+        value, error = flag.read("V", bad)
+        assert value is None and f"V={bad!r}" in error and config.BOOL_ACCEPTED in error
+    value, error = switch.read("GLM53_HC_DECODE_KERNEL", "sometimes")
+    assert value is None and "GLM53_HC_DECODE_KERNEL='sometimes'" in error and "auto" in error
+
+
+def test_integer_and_choice_bounds():
+    elements = config.integer(1, 10, what="elements")
+    assert elements.read("V", " 10 ") == (10, None)
+    for bad in ("0", "11", "-1", "1.5", "ten"):
+        assert elements.read("V", bad)[0] is None
+    assert "from 1 to 10" in elements.read("V", "11")[1]
+    chunk = config.choice(16, 32)
+    assert chunk.read("V", "32") == (32, None) and chunk.read("V", "48")[1].endswith("one of 16, 32")
+    method = config.choice("auto", "kernel")
+    assert method.read("V", "KERNEL") == ("kernel", None)
+
+
+class _Declared:
+    def __init__(self, **knobs):
+        self.knobs = knobs
+
+
+def test_knob_problems_checks_declared_knobs_and_names_unknown_variables():
+    patches = {"hc_decode": _Declared(kernel=config.switch()), "gathered_prefill": _Declared(max_elements=config.integer(1))}
+    environ = {"GLM53_HC_DECODE_KERNEL": "yes", "GLM53_GATHERED_PREFILL_MAX_ELEMENTS": "0",
+               "GLM53_HC_DECODE_KERNL": "1", "GLM53_PATCH_HC_DECODE": "1", "GLM53_PATCHES": "all"}
+    errors, warnings = config.knob_problems(patches, environ)
+    assert errors == ["GLM53_GATHERED_PREFILL_MAX_ELEMENTS='0' is not valid; accepted: a whole number, 1 or more"]
+    assert len(warnings) == 1 and warnings[0].startswith("GLM53_HC_DECODE_KERNL is not a variable")
+
+
+def test_state_dir_that_is_a_file_is_a_problem_that_names_the_variable(tmp_path):
+    a_file = tmp_path / "state"
+    a_file.write_text("")
+    problem = config.state_dir_problem({"GLM53_PATCHES_STATE_DIR": str(a_file)})
+    assert problem.startswith("GLM53_PATCHES_STATE_DIR:") and str(a_file) in problem
+    assert config.state_dir_problem({"GLM53_PATCHES_STATE_DIR": str(tmp_path / "new" / "state")}) is None
+
+
+def test_private_dir_is_0700_and_tightens_our_own(tmp_path):
+    made = config.private_dir(tmp_path / "a" / "b")
+    assert made.stat().st_mode & 0o777 == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    assert config.private_dir(loose).stat().st_mode & 0o777 == 0o700
 
 
 def test_any_set_only_looks_at_the_prefix():

@@ -5,6 +5,7 @@ imported, so the .pth bootstrap sets them (stdlib only, before mlx loads);
 this plugin only reports what was done. Nothing is replaced in mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import Patch
 
@@ -25,6 +26,7 @@ PATCH = Patch(
     in_all=False,  # costs prefill and batched/speculative throughput (seeds 003, 004)
     upstream="not a code change: proposed to MLX as larger defaults on Ultra-class devices (ml-explore/mlx#4521)",
     report=_report,
+    knobs={"ops": config.integer(1, what="operations"), "mb": config.integer(1, what="MB")},
 )
 
 

@@ -5,6 +5,7 @@ checks in ``verify.py``; both are imported on first use, so discovering this
 plugin imports neither mlx nor mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
@@ -31,6 +32,7 @@ PATCH = Patch(
     upstream="not yet proposed: QuantizedSwitchLinear dequantizing for large sorted prefill batches (PATCH.md)",
     on_revert=lazy(f"{__name__}.experts", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),
+    knobs={"fast_path": config.switch(), "min_tokens": config.integer(1, what="tokens")},
 )
 
 

@@ -11,7 +11,6 @@ blocks, and weights it does not cover go to the stock ``__call__``.
 
 import copy
 import functools
-import logging
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,7 +24,6 @@ from glm53_patches.registry import backend
 
 from . import PATCH
 
-log = logging.getLogger("glm53_patches")
 stats = PATCH.stats
 # GLM53_DEQUANTIZED_EXPERTS_FAST_PATH. `auto` stays off on Metal even after `verify` passes there:
 # MLX's Metal gather_qmm has tuned kernels, and no one has measured which is faster on a Mac.
@@ -35,21 +33,11 @@ DEFAULT_MIN_TOKENS = 256
 _min_tokens = None
 
 
-def _parse_min_tokens(value):
-    tokens = int(value.strip()) if value.strip().isdigit() else 0
-    if tokens < 1:
-        raise ValueError("accepted: a whole number of tokens, 1 or more")
-    return tokens
-
-
 def min_tokens():
     """GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS: the smallest chunk (tokens per row) that dequantizes."""
     global _min_tokens
     if _min_tokens is None:
-        value, error = config.knob(PATCH.name, "min_tokens", _parse_min_tokens, DEFAULT_MIN_TOKENS)
-        if error:
-            log.error(f"{PATCH.name}: {error}; using {DEFAULT_MIN_TOKENS}")
-        _min_tokens = value
+        _min_tokens = config.knob_value(PATCH.name, "min_tokens", PATCH.knobs["min_tokens"], DEFAULT_MIN_TOKENS)
     return _min_tokens
 
 

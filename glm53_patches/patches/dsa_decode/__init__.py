@@ -4,6 +4,7 @@ The implementation lives in ``decode.py`` and is imported on first use, so
 discovering this plugin imports neither mlx nor mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
@@ -52,6 +53,7 @@ PATCH = Patch(
     upstream="not yet proposed: decode branches of Glm5NextIndexer.__call__ and Glm5NextAttention._attend (PATCH.md)",
     on_revert=lazy(f"{__name__}.decode", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),
+    knobs={"kernel": config.switch()},
 )
 
 

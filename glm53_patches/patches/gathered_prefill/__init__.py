@@ -4,6 +4,7 @@ The implementation lives in ``attention.py`` and is imported on first use, so
 discovering this plugin imports neither mlx nor mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
@@ -32,6 +33,7 @@ PATCH = Patch(
     upstream="not yet proposed: flatten K/V once per call, shape-derived query chunks, ordered chunk gathers (PATCH.md)",
     verify=lazy(f"{__name__}.verify", "verify"),
     report=lazy(f"{__name__}.attention", "report"),
+    knobs={"min_context": config.integer(0, what="keys"), "max_elements": config.integer(1, 2**31 - 1, what="elements")},
 )
 
 

@@ -33,7 +33,6 @@ unexpected shapes) calls the original.
 """
 
 import functools
-import logging
 
 import mlx.core as mx
 
@@ -42,7 +41,6 @@ from glm53_patches import config
 from . import PATCH
 
 stats = PATCH.stats
-log = logging.getLogger("glm53_patches")
 
 NAME = "gathered_prefill"
 # No gathered K/V (and no other intermediate) may exceed this many elements.
@@ -68,34 +66,9 @@ def default_min_context():
     on_cuda = mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
     return CUDA_MIN_CONTEXT if on_cuda else DEFAULT_MIN_CONTEXT
 
-_errors_logged = set()
-
-
-def _parse_count(value):
-    number = int(value.strip())
-    if number < 0:
-        raise ValueError("a number of tokens >= 0 is accepted")
-    return number
-
-
-def _parse_elements(value):
-    number = int(value.strip())
-    if not 1 <= number <= MAX_ELEMENTS:
-        raise ValueError(f"a number of elements from 1 to {MAX_ELEMENTS} is accepted")
-    return number
-
-
-def _knob(knob_name, parse, default):
-    value, error = config.knob(NAME, knob_name, parse, default)
-    if error and error not in _errors_logged:
-        _errors_logged.add(error)
-        log.error(f"{NAME}: {error}; using {default}")
-    return value
-
-
 def min_context():
     """GLM53_GATHERED_PREFILL_MIN_CONTEXT: keys below which stock runs (read per call)."""
-    return _knob("min_context", _parse_count, default_min_context())
+    return config.knob_value(NAME, "min_context", PATCH.knobs["min_context"], default_min_context())
 
 
 def element_budget():
@@ -105,7 +78,7 @@ def element_budget():
     that for K and V together); on the CPU: ``CPU_ELEMENTS``.
     """
     default = MAX_ELEMENTS if mx.default_device() == mx.gpu else min(CPU_ELEMENTS, MAX_ELEMENTS)
-    return _knob("max_elements", _parse_elements, default)
+    return config.knob_value(NAME, "max_elements", PATCH.knobs["max_elements"], default)
 
 
 def query_chunk(batch, q_heads, kv_heads, dim, v_dim, topk, max_elements=None):

@@ -10,7 +10,7 @@ SWITCH = "MLX_VLM_GLM5_GATHERED_PREFILL"
 
 MODULES = {"attention": "mlx_vlm/models/glm5_next/gathered_prefill.py"}
 
-PLUGIN_ONLY = ("log", "NAME", "_errors_logged", "_parse_count", "_parse_elements", "_knob", "make_sparse_prefill", "report")
+PLUGIN_ONLY = ("NAME", "make_sparse_prefill", "report")
 
 # The two settings read MLX_VLM_* variables upstream instead of glm53_patches.config.
 REPLACE = {

@@ -6,6 +6,7 @@ kernels in ``glm53_patches/kernels/hc_sinkhorn.py`` and the exactness checks in
 imports neither mlx nor mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
@@ -43,6 +44,7 @@ PATCH = Patch(
     upstream="not yet proposed",
     on_revert=lazy(f"{__name__}.layer", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),
+    knobs={"kernel": config.switch()},
 )
 
 

@@ -38,6 +38,7 @@ import mlx.core as mx
 from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
 
 from glm53_patches import config, verify_records
+from glm53_patches.log import once
 from glm53_patches.kernels import hc_sinkhorn
 
 from . import PATCH
@@ -54,24 +55,12 @@ _SCALARS = (bool, int, float, str, type(None))
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 # The plugin's own wiring: its setting knob and the wrapper it installs.
-log = logging.getLogger("glm53_patches")
 WRAPPER_MARK = "_glm53_hc_decode"  # set on the replacement __call__
-KERNEL_KNOB = "GLM53_HC_DECODE_KERNEL"
-_KNOB_VALUES = {"auto": None, "1": True, "on": True, "true": True, "force": True, "0": False, "off": False, "false": False}
-
-
-def _parse_kernel(value):
-    lowered = value.strip().lower()
-    if lowered not in _KNOB_VALUES:
-        raise ValueError("accepted: auto (kernel where `glm53-patches verify` passed), 1/on/force, 0/off")
-    return _KNOB_VALUES[lowered]
-
-
 def kernel_setting(backend):
     """GLM53_HC_DECODE_KERNEL: auto (default: where `verify` passed on this backend), 1 or 0."""
-    setting, error = config.knob("hc_decode", "kernel", _parse_kernel, None)
+    setting, error = config.knob("hc_decode", "kernel", PATCH.knobs["kernel"], None)
     if error:
-        log.error(f"hc_decode: {error}; the kernel stays off")
+        once(logging.ERROR, f"hc_decode: {error}; the kernel stays off")
         return False
     if setting is None:
         setting = verify_records.passed(PATCH.name, backend)

@@ -21,7 +21,7 @@ MODULES = {
 
 # Top-level definitions that only the plugin needs: the wrapper it installs
 # and its GLM53_HC_DECODE_KERNEL knob.
-PLUGIN_ONLY = ("make_call", "log", "WRAPPER_MARK", "KERNEL_KNOB", "_KNOB_VALUES", "_parse_kernel")
+PLUGIN_ONLY = ("make_call", "WRAPPER_MARK")
 
 # The plugin runs the kernel where `glm53-patches verify hc_decode` passed on
 # the user's machine. Upstream has no verify records: the kernel gets its own

@@ -5,6 +5,7 @@ The implementation lives in ``score.py`` (and the GPU kernels in
 imports neither mlx nor mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
@@ -35,6 +36,7 @@ PATCH = Patch(
     kernel_backends=("cuda", "metal"),
     upstream="not yet proposed",
     on_revert=lazy(_SCORE, "clear", only_if_loaded=True),
+    knobs={"kernel": config.flag(), "kernel_max_queries": config.integer(1, what="queries")},
 )
 
 

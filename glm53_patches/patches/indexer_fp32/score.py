@@ -21,7 +21,6 @@ Python float times the weights array), so its rounding is stock's.
 """
 
 import functools
-import logging
 
 import mlx.core as mx
 
@@ -29,7 +28,6 @@ from glm53_patches import config
 
 from . import PATCH, kernels
 
-log = logging.getLogger("glm53_patches")
 stats = PATCH.stats
 
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
@@ -74,39 +72,20 @@ def _fill():
 # -- GPU kernel switch -------------------------------------------------------------------
 
 
-def _parse_bool(value):
-    enabled, error = config.parse_bool("GLM53_INDEXER_FP32_KERNEL", value)
-    if error:
-        raise ValueError(f"accepted: {config.BOOL_ACCEPTED}")
-    return enabled
-
-
-def _parse_count(value):
-    count = int(value)
-    if count < 1:
-        raise ValueError("a positive integer")
-    return count
-
-
 def kernel_wanted():
     """GLM53_INDEXER_FP32_KERNEL (default off): use the CUDA/Metal kernel where there is one."""
     if _FORCED[0] is not None:
         return _FORCED[0]
     if "wanted" not in _KERNEL:
-        wanted, error = config.knob("indexer_fp32", "kernel", _parse_bool, False)
-        if error:
-            log.error(f"indexer_fp32: {error}; the kernel stays off")
-        _KERNEL["wanted"] = bool(wanted)
+        _KERNEL["wanted"] = bool(config.knob_value("indexer_fp32", "kernel", PATCH.knobs["kernel"], False))
     return _KERNEL["wanted"]
 
 
 def kernel_max_queries():
     """GLM53_INDEXER_FP32_KERNEL_MAX_QUERIES (default 16): longer chunks use the compiled path."""
     if "max_queries" not in _KERNEL:
-        count, error = config.knob("indexer_fp32", "kernel_max_queries", _parse_count, DEFAULT_MAX_QUERIES)
-        if error:
-            log.error(f"indexer_fp32: {error}; using {DEFAULT_MAX_QUERIES}")
-        _KERNEL["max_queries"] = count
+        _KERNEL["max_queries"] = config.knob_value(
+            "indexer_fp32", "kernel_max_queries", PATCH.knobs["kernel_max_queries"], DEFAULT_MAX_QUERIES)
     return _KERNEL["max_queries"]
 
 

@@ -7,6 +7,7 @@ this runs the same gated delta rule in one kernel launch on CUDA
 discovering this plugin imports neither mlx nor mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
@@ -42,6 +43,7 @@ PATCH = Patch(
     kernel_backends=(),  # no hand-written kernels; plain MLX ops
     upstream="not yet proposed: a chunked gated_delta_ops for vectorized gates (PATCH.md)",
     on_revert=lazy(f"{__name__}.mixer", "clear", only_if_loaded=True),
+    knobs={"method": config.choice("auto", "kernel", "chunked"), "chunk": config.choice(16, 32, 64, 128)},
 )
 
 

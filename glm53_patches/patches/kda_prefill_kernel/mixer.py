@@ -24,47 +24,20 @@ from mlx_vlm.models import gated_delta as _gd
 from mlx_vlm.models.glm5_next import language as _lang
 
 from glm53_patches import config
+from glm53_patches.log import once
 
 from . import NAME, PATCH
 from . import cuda
 from .chunked import chunked_gated_delta, log_gate, sub_block
 
-log = logging.getLogger(__name__)
 stats = PATCH.stats
 
 DEFAULT_CHUNK = 16  # fastest measured on a 2-core CPU; a GPU likely wants 64
-_CHUNKS = (16, 32, 64, 128)
-_METHODS = ("auto", "kernel", "chunked")
-_logged = set()
-
-
-def _parse_chunk(value):
-    chunk = int(value)
-    if chunk not in _CHUNKS:
-        raise ValueError(f"accepted: one of {', '.join(map(str, _CHUNKS))}")
-    return chunk
 
 
 def chunk_size():
     """GLM53_KDA_PREFILL_KERNEL_CHUNK, read per call (cheap) so tests can set it."""
-    chunk, error = config.knob(NAME, "chunk", _parse_chunk, DEFAULT_CHUNK)
-    if error and error not in _logged:
-        _logged.add(error)
-        log.error(f"{error}; using {DEFAULT_CHUNK}")
-    return chunk
-
-
-def _parse_method(value):
-    method = value.strip().lower()
-    if method not in _METHODS:
-        raise ValueError(f"accepted: {', '.join(_METHODS)}")
-    return method
-
-
-def _log_once(level, message):
-    if message not in _logged:
-        _logged.add(message)
-        log.log(level, message)
+    return config.knob_value(NAME, "chunk", PATCH.knobs["chunk"], DEFAULT_CHUNK)
 
 
 def method():
@@ -73,12 +46,10 @@ def method():
     auto: the CUDA kernel on CUDA, chunked elsewhere; kernel off CUDA: chunked
     (logged once); an invalid value: logged once, auto.
     """
-    choice, error = config.knob(NAME, "method", _parse_method, "auto")
-    if error:
-        _log_once(logging.ERROR, f"{error}; using auto")
+    choice = config.knob_value(NAME, "method", PATCH.knobs["method"], "auto")
     on_cuda = cuda.cuda_available()
     if choice == "kernel" and not on_cuda:
-        _log_once(logging.INFO, "GLM53_KDA_PREFILL_KERNEL_METHOD=kernel: no CUDA device here, using chunked")
+        once(logging.INFO, "GLM53_KDA_PREFILL_KERNEL_METHOD=kernel: no CUDA device here, using chunked")
     return "kernel" if on_cuda and choice != "chunked" else "chunked"
 
 
@@ -178,5 +149,4 @@ def make_call(original):
 
 
 def clear():
-    _logged.clear()
     cuda.clear()

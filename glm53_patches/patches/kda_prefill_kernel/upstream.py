@@ -15,7 +15,7 @@ MODULES = {
     "cuda": "mlx_vlm/models/glm5_next/kda_cuda.py",
 }
 
-PLUGIN_ONLY = ("log", "_logged", "_parse_chunk", "_parse_method", "_log_once", "make_call", "clear")
+PLUGIN_ONLY = ("make_call", "clear")
 
 REPLACE = {
     "chunk_size": '''

@@ -5,6 +5,7 @@ The kernels live in ``kernel.py``, the replacement ``MoEGate.__call__`` in
 first use, so discovering this plugin imports neither mlx nor mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
@@ -27,6 +28,7 @@ PATCH = Patch(
     upstream="not yet proposed: a fused _expert_select kernel for n_group == 1 (PATCH.md)",
     on_revert=lazy(f"{__name__}.gate", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),
+    knobs={"kernel": config.switch()},
 )
 
 

@@ -20,6 +20,7 @@ The implementation is imported on first use, so discovering this plugin
 imports neither mlx nor mlx-vlm.
 """
 
+from glm53_patches import config
 from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch, lazy
 
@@ -123,6 +124,7 @@ PATCH = Patch(
     verify=lazy(f"{__name__}.verify", "verify"),
     report=_report,
     stats=VaultStats(),
+    knobs={"harvest": config.choice("equal", "solo", "any")},
 )
 
 

@@ -80,7 +80,9 @@ def _parse_policy(value):
 
 
 def harvest_policy():
-    value, error = config.knob(NAME, "harvest", _parse_policy, DEFAULT_POLICY)
+    from . import PATCH
+
+    value, error = config.knob(NAME, "harvest", PATCH.knobs["harvest"], DEFAULT_POLICY)
     if error:
         _once(("knob", error), logging.ERROR, f"{error}; using {DEFAULT_POLICY!r}")
     return value
