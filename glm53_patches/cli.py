@@ -8,7 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, config, drift, pins, stage, verify_records
+from . import backend, bench, config, drift, pins, stage, verify_records
+
+# Subcommands that run MLX: where it cannot load they say so in one line.
+NEEDS_MLX = ("verify", "bench", "stage", "tiny-model")
 
 
 def _registry():
@@ -40,14 +43,16 @@ def _live_reports():
 
 
 def _here(registry):
-    """What this environment asks for and whether upstream matches a verified pin."""
+    """What this shell's environment asks for, and whether upstream matches a verified pin."""
     settings = config.read()
     patches = registry.available()
+    mlx_problem = backend.mlx_problem()
     view = {}
     for name, patch in patches.items():
         problems = drift.check(patch.all_fingerprinted())
         view[name] = {
-            "requested": settings.wants(name, registry.covered_by_all(patch)),
+            # None: unknown without MLX (`all` depends on this backend's verify records)
+            "requested": None if mlx_problem else settings.wants(name, registry.covered_by_all(patch)),
             "env": patch.env_var,
             "numerics": patch.numerics,
             "drift": problems or None,
@@ -56,8 +61,17 @@ def _here(registry):
                 b: verify_records.passed(name, b) for b in patch.kernel_backends
             },
         }
-    errors = settings.errors + config.unknown_name_errors(settings, patches)
-    return {"environment_errors": errors, "plugin_errors": registry.status()["plugin_errors"], "patches": view}
+    knob_errors, warnings = config.knob_problems(patches)
+    errors = settings.errors + config.unknown_name_errors(settings, patches) + knob_errors
+    problem = config.state_dir_problem()
+    warnings += [problem] if problem else []
+    warnings += [mlx_problem] if mlx_problem else []
+    return {"environment_errors": errors, "warnings": warnings, "plugin_errors": registry.status()["plugin_errors"],
+            "patches": view}
+
+
+def _yes_no(value):
+    return "?" if value is None else ("yes" if value else "no")
 
 
 def cmd_status(args):
@@ -66,19 +80,24 @@ def cmd_status(args):
     if args.json:
         print(json.dumps(report, indent=2, default=str))
         return 0
-    for error in report["here"]["environment_errors"] + report["here"]["plugin_errors"]:
+    here = report["here"]
+    for error in here["environment_errors"] + here["plugin_errors"]:
         print(f"error: {error}")
-    print("patch                      requested  upstream")
-    for name, entry in report["here"]["patches"].items():
+    for warning in here["warnings"]:
+        print(f"warning: {warning}")
+    print("patch                      this shell would apply  upstream")
+    for name, entry in here["patches"].items():
         upstream = "verified" if not entry["drift"] else "DRIFT: " + drift.summary(entry["drift"])
-        print(f"{name:26} {'yes' if entry['requested'] else 'no':10} {upstream}")
+        print(f"{name:26} {_yes_no(entry['requested']):23} {upstream}")
     if not report["processes"]:
         print("no running process has applied patches")
     for process in report["processes"]:
-        print(f"\nprocess {process['pid']} ({' '.join(process['argv'])[:60]}) backend={process['backend']} "
-              f"mlx={process['mlx']} mlx-vlm={process['mlx_vlm']}")
+        print(f"\nprocess {process['pid']}: backend={process['backend']} mlx={process['mlx']} "
+              f"mlx-vlm={process['mlx_vlm']}\n  command: {' '.join(process['argv'])}")
         for error in process.get("hook_errors", []):
             print(f"  hook error: {error}")
+        for error in process.get("configuration_errors", []):
+            print(f"  configuration error: {error} (nothing applied)")
         for name, entry in process["patches"].items():
             stats = entry["stats"]
             hits = sum(stats["hits"].values())
@@ -115,14 +134,23 @@ def cmd_doctor(args):
     in_pins = status["mlx_vlm"] in pinned
     print(f"mlx-vlm {status['mlx_vlm']} ({'pinned' if in_pins else 'NOT in upstream_pins: ' + ', '.join(pinned)})")
     problems += not in_pins
-    print(f"mlx {status['mlx']}; backend {registry.backend()}")
+    mlx_problem = backend.mlx_problem()
+    print(f"mlx {status['mlx']}; backend {mlx_problem or backend.current()}")
+    problems += bool(mlx_problem)
     here = _here(registry)
     for error in here["environment_errors"] + here["plugin_errors"]:
         print(f"error: {error}")
         problems += 1
+    for warning in here["warnings"]:
+        if warning != mlx_problem:
+            print(f"warning: {warning}")
     for name, entry in here["patches"].items():
-        would = "would apply" if entry["requested"] and not entry["drift"] else (
-            "requested but refused (drift)" if entry["requested"] else "not requested")
+        if entry["requested"] is None:
+            would = "unknown until MLX loads"
+        elif entry["requested"]:
+            would = "would apply" if not entry["drift"] else "requested but refused (drift)"
+        else:
+            would = "not requested"
         print(f"{name}: {would}")
     return 1 if problems else 0
 
@@ -208,6 +236,11 @@ def main(argv=None):
     prints.add_argument("--cache", default=str(config.state_dir() / "releases"))
     prints.set_defaults(run=cmd_fingerprints)
     args = parser.parse_args(argv)
+    if args.command in NEEDS_MLX:
+        problem = backend.mlx_problem()
+        if problem:
+            print(f"glm53-patches {args.command}: {problem}", file=sys.stderr)
+            return 2
     return args.run(args)
 
 

@@ -22,16 +22,8 @@ import pluggy
 import wrapt
 
 from . import config, drift, hookspecs
+from .log import forget as forget_said, log, once
 from .patch import Patch
-
-log = logging.getLogger("glm53_patches")
-if not log.handlers:
-    _handler = logging.StreamHandler(sys.stderr)
-    _handler.setFormatter(logging.Formatter("glm53-patches %(levelname)s: %(message)s"))
-    log.addHandler(_handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
 
 class PatchError(RuntimeError):
     """Raised in strict mode instead of logging and leaving stock code."""
@@ -45,6 +37,8 @@ _chains: Dict[str, "_Chain"] = {}
 _applied: Dict[str, Patch] = {}  # in apply order
 _outcomes: Dict[str, Dict] = {}
 _hook_errors: List[str] = []
+_requested: set = set()  # what this process asked for: GLM53_* at start-up, or enable()
+_config_errors: List[str] = []  # why GLM53_* applied nothing here
 
 
 # -- discovery -------------------------------------------------------------
@@ -149,6 +143,7 @@ def apply(names, *, force=(), strict: bool = False) -> Dict[str, Dict]:
     """Apply the named patches (idempotent, all-or-nothing per patch)."""
     with _lock:
         patches = available()
+        _requested.update(names)
         for name in names:
             if name in _applied:
                 continue
@@ -196,6 +191,7 @@ def revert(names=None) -> None:
                 patch.on_revert()
             _record(name, "reverted")
             log.info(f"{name}: reverted")
+        forget_said()  # a patch applied again says its one-time lines again
 
 
 def applied() -> List[str]:
@@ -223,12 +219,17 @@ def from_environment(environ=None) -> Dict[str, Dict]:
     with _lock:
         settings = config.read(environ)
         patches = available()
-        errors = settings.errors + config.unknown_name_errors(settings, patches)
+        knob_errors, warnings = config.knob_problems(patches, environ)
+        problem = config.state_dir_problem(environ)
+        for warning in warnings + ([problem] if problem else []):
+            once(logging.WARNING, warning)
+        errors = settings.errors + config.unknown_name_errors(settings, patches) + knob_errors
         if errors:
             message = "; ".join(errors)
             if settings.strict:
                 raise PatchError(message)
             log.error(message + " -- no patch applied, stock code running")
+            _config_errors[:] = errors
             for name in patches:
                 _outcomes.setdefault(name, {"state": "not applied", "reason": "configuration error"})
             _publish()
@@ -262,11 +263,9 @@ def note_hook_error(message: str) -> None:
 
 
 def backend() -> str:
-    import mlx.core as mx
+    from .backend import current
 
-    if mx.default_device() == mx.gpu:
-        return "metal" if mx.metal.is_available() else "cuda"
-    return "cpu"
+    return current()
 
 
 def _version(dist):
@@ -283,6 +282,7 @@ def status() -> Dict:
         report = {}
         for name, patch in patches.items():
             entry = {
+                "requested": name in _requested,
                 "applied": name in _applied,
                 "state": "not requested",
                 "reason": "",
@@ -290,7 +290,7 @@ def status() -> Dict:
                 "targets": list(patch.targets),
                 "stats": patch.stats.snapshot(),
             }
-            if patch.report is not None:
+            if patch.report is not None and name in _applied:  # a report describes what runs
                 entry["detail"] = patch.report()
             entry.update(_outcomes.get(name, {}))
             report[name] = entry
@@ -302,6 +302,7 @@ def status() -> Dict:
             "backend": backend() if "mlx.core" in sys.modules else None,
             "plugin_errors": list(_load_errors),
             "hook_errors": list(_hook_errors),
+            "configuration_errors": list(_config_errors),
             "patches": report,
         }
 
@@ -313,8 +314,7 @@ def _publish():
     """Write this process's status where `glm53-patches status` reads it."""
     global _flusher
     try:
-        folder = config.state_dir()
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = config.ensure_state_dir()
         path = folder / f"{os.getpid()}.json"
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(status(), default=str))

@@ -7,11 +7,15 @@ made for an older kernel does not admit a changed one to ``all``.
 import functools
 import hashlib
 import json
+import logging
 import os
 from importlib.metadata import version
 from pathlib import Path
 
+from filelock import FileLock
+
 from . import config
+from .log import once
 
 _PACKAGE = Path(__file__).parent
 
@@ -35,20 +39,27 @@ def _key(patch: str, backend: str) -> str:
 
 
 def load() -> dict:
+    """The records; {} when there are none. An unreadable folder or file is said once (it shrinks `all`)."""
     try:
         return json.loads(_path().read_text())
-    except (OSError, ValueError):
+    except (FileNotFoundError, NotADirectoryError):  # none yet; a state "folder" that is a file is said at start-up
+        return {}
+    except (OSError, ValueError) as exc:
+        once(logging.WARNING, f"cannot read the verify records in {_path()} ({exc!r}): GLM53_PATCHES=all "
+             "leaves out the patches whose kernels need one")
         return {}
 
 
 def record(patch: str, backend: str, result: dict) -> None:
-    records = load()
-    records[_key(patch, backend)] = result
+    """Add one record: read, update and replace the file under a lock, so parallel verify runs keep theirs."""
     path = _path()
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(records, indent=1, sort_keys=True))
-    os.replace(temporary, path)
+    config.private_dir(path.parent)
+    with FileLock(str(path.with_name(path.name + ".lock"))):
+        records = load()
+        records[_key(patch, backend)] = result
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(records, indent=1, sort_keys=True))
+        os.replace(temporary, path)
 
 
 def passed(patch: str, backend: str) -> bool:

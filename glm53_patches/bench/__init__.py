@@ -18,8 +18,6 @@ REAL_DEFAULTS = dict(layers=45, experts="auto", dtype="bfloat16", contexts="256,
 
 
 def add_arguments(parser):
-    from .sections import SECTIONS
-
     a = parser.add_argument
     a("--small", action="store_true", help="tiny widths, fp32 activations: runs on a laptop CPU in under a minute")
     a("--layers", type=int, help="decoder layers (default 45; --small 8)")
@@ -40,7 +38,7 @@ def add_arguments(parser):
     a("--prefill-untimed-stock", action="store_true",
       help="prefill: stock runs only as the check's reference, untimed; the other arms are timed and "
            "compared with the first of them (stock's long prefills cost minutes)")
-    a("--sections", default=",".join(SECTIONS), help=f"which, in order (default {','.join(SECTIONS)})")
+    a("--sections", help="which sections, in order (default: every one, in the bench's order)")
     a("--budget-s", type=float, help="stop starting new sections/rounds after this many seconds")
     a("--force", action="store_true", help="apply patches even where the drift guard refuses them (noted)")
     a("--seed", type=int, default=0)
@@ -57,6 +55,10 @@ def _finish_args(args):
             setattr(args, key, value)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     args.contexts, args.prefill = ints(args.contexts), ints(args.prefill)
+    if args.sections is None:  # sections imports mlx: only once a bench really runs
+        from .sections import SECTIONS
+
+        args.sections = ",".join(SECTIONS)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.prefill_rounds = args.prefill_rounds or args.rounds
     return args

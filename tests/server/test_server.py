@@ -59,14 +59,40 @@ def test_patched_server_answers_exactly_like_stock(server_factory, tiny_q4_dir, 
     assert [p["patches"]["compiled_kda_decode"]["state"] for p in processes if p["pid"] == patched.process.pid] == ["applied"]
 
 
-def test_bad_values_log_one_line_and_the_server_still_serves(server_factory, tiny_fp32_dir):
+def _status_text(state_dir):
+    """`glm53-patches status` run from a shell that sets nothing but the state folder."""
+    return subprocess.run([sys.executable, "-m", "glm53_patches.cli", "status"], capture_output=True, text=True,
+                          env={"GLM53_PATCHES_STATE_DIR": str(state_dir), "PATH": ""}, check=True).stdout
+
+
+def test_bad_values_log_one_line_and_the_server_still_serves(server_factory, tiny_fp32_dir, tmp_path):
     for env, variable in (({"GLM53_PATCHES": "bogus"}, "GLM53_PATCHES"),
-                          ({"GLM53_PATCH_COMPILED_KDA_DECODE": "maybe"}, "GLM53_PATCH_COMPILED_KDA_DECODE")):
+                          ({"GLM53_PATCH_COMPILED_KDA_DECODE": "maybe"}, "GLM53_PATCH_COMPILED_KDA_DECODE"),
+                          ({"GLM53_PATCHES": "all", "GLM53_GATHERED_PREFILL_MAX_ELEMENTS": "0"},
+                           "GLM53_GATHERED_PREFILL_MAX_ELEMENTS")):
         with server_factory(tiny_fp32_dir, env=env) as server:
             text, _ = server.chat(PROMPTS[2], max_tokens=8)
             ours = [line for line in server.log().splitlines() if "glm53-patches" in line]
+            status = _status_text(tmp_path / "state")
         assert text
         assert len(ours) == 1 and variable in ours[0] and "accepted" in ours[0], ours
+        assert "applied (" not in server.log()
+        # status names the error itself, and the server's whole command line
+        assert f"configuration error: {variable}" in status and "accepted" in status, status
+        assert f"--port {server.port}" in status
+
+
+def test_status_shows_what_each_process_requested(server_factory, tiny_fp32_dir, tmp_path):
+    """The shell that runs `status` asks for nothing; the server asked for one patch: each says its own."""
+    with server_factory(tiny_fp32_dir, env={"GLM53_PATCHES": "compiled_kda_decode"}) as server:
+        server.chat(PROMPTS[2], max_tokens=4)
+        status = _status_text(tmp_path / "state")
+    shell = status.split("\nprocess ")[0]
+    assert [line for line in shell.splitlines() if line.startswith("compiled_kda_decode ")][0].split()[1] == "no"
+    served = [line.strip() for line in status.split(f"process {server.process.pid}:")[1].splitlines()]
+    assert any(line.startswith("compiled_kda_decode") and " applied; hits" in line for line in served), status
+    assert any(line.startswith("hc_decode") and "not requested" in line for line in served)
+    assert "bootstrap did not run" not in status
 
 
 def test_dequantized_experts_serves_prefill_exactly_like_stock(server_factory, tiny_q4_dir, tmp_path):

@@ -61,3 +61,19 @@ def test_tiny_model_command_writes_a_loadable_checkpoint(tmp_path):
     assert result.returncode == 0
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["quantization"]["bits"] == 8
+
+
+def test_parallel_verify_runs_keep_every_record(tmp_path):
+    """Processes recording at once (verify runs in parallel, one patch each) lose none of their records."""
+    writer = ("import sys; from glm53_patches import verify_records\n"
+              "for k in range(25): verify_records.record(f'p{sys.argv[1]}-{k}', 'cpu', {'passed': True})\n")
+    processes = [subprocess.Popen([sys.executable, "-c", writer, str(i)], env=dict(os.environ)) for i in range(6)]
+    assert [p.wait(timeout=300) for p in processes] == [0] * 6
+    records = verify_records.load()
+    assert len(records) == 6 * 25
+    assert all(verify_records.passed(f"p{i}-{k}", "cpu") for i in range(6) for k in range(25))
+
+
+def test_the_state_folder_is_private(tmp_path):
+    verify_records.record("dsa_decode", "cuda", {"passed": True})
+    assert verify_records._path().parent.stat().st_mode & 0o777 == 0o700
