@@ -49,6 +49,9 @@ class Patch:
     kernel_backends: Tuple[str, ...] = ()  # backends with custom kernels that need `verify`
     upstream: str = "not yet proposed"
     in_all: bool = True  # False: a trade-off that GLM53_PATCHES=all must not make for the user
+    # On a target it shares with these patches, this one is called first (it wraps theirs and hands
+    # them what it does not take), whatever the order in which they were applied.
+    runs_before: Tuple[str, ...] = ()
     on_revert: Optional[Callable[[], None]] = None  # drop compiled functions and state
     # Exactness check run by `glm53-patches verify` on this machine's backend:
     # () -> {"exact": bool, "max_abs_diff": float, "cases": int, "detail": str}

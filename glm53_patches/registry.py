@@ -91,7 +91,7 @@ class _Chain:
     attr: str
     original: object  # the raw upstream object, from __dict__ along the MRO
     owned: bool  # did the owner itself define attr (else it came from a base)
-    layers: List = field(default_factory=list)  # [(patch name, factory)]
+    layers: List = field(default_factory=list)  # [(patch name, factory)], in apply order
 
     def install(self):
         if not self.layers:
@@ -101,9 +101,29 @@ class _Chain:
                 delattr(self.owner, self.attr)
             return
         current = self.original
-        for _, factory in self.layers:
+        for _, factory in _inside_out(self.layers):
             current = factory(current)
         setattr(self.owner, self.attr, current)
+
+
+def _inside_out(layers):
+    """The layers innermost first: a patch that declares it `runs_before` another wraps it,
+    whatever order they were applied in; otherwise the later applied is outside."""
+    names = [name for name, _ in layers]
+    depth = {}
+
+    def depth_of(name):
+        if name not in depth:
+            depth[name] = 0  # a cycle (a declaration error) ends here instead of recursing forever
+            inner = [d for d in _patch_of(name).runs_before if d in names and d != name]
+            depth[name] = 1 + max(map(depth_of, inner)) if inner else 0
+        return depth[name]
+
+    return sorted(layers, key=lambda layer: (depth_of(layer[0]), names.index(layer[0])))
+
+
+def _patch_of(name):
+    return _applied.get(name) or available()[name]
 
 
 def _chain(target: str) -> _Chain:

@@ -141,6 +141,53 @@ def test_two_patches_on_one_method_both_engage(extra_plugins, tiny_fp32_dir):
         registry.revert()
 
 
+def ordered_probe(name, seen, **kwargs):
+    """A probe that records the order in which a call reaches it, then delegates."""
+
+    def factory(inner):
+        def wrapper(*args, **kw):
+            seen.append(name)
+            return inner(*args, **kw)
+
+        return wrapper
+
+    return Patch(name=name, summary="records call order", targets={KDA_CALL: factory}, **kwargs)
+
+
+def test_declared_order_wins_over_the_order_of_enabling(extra_plugins, tiny_fp32_dir):
+    """`runs_before` decides which patch on a shared target is called first, in both enable orders."""
+    import mlx.core as mx
+    from mlx_vlm.utils import load
+
+    seen = []
+    extra_plugins(ordered_probe("outer", seen, runs_before=("middle",)), ordered_probe("middle", seen, runs_before=("inner",)),
+                  ordered_probe("inner", seen), ordered_probe("loose", seen))
+    model, _ = load(str(tiny_fp32_dir))
+    for order in (["inner", "middle", "outer"], ["outer", "middle", "inner"], ["middle", "outer", "inner"]):
+        registry.apply(order, strict=True)
+        seen.clear()
+        cache = model.language_model.make_cache()
+        mx.eval(model.language_model(mx.array([[1, 2, 3]]), cache=cache).logits)
+        per_layer = seen[:3]
+        assert per_layer == ["outer", "middle", "inner"], (order, seen[:6])
+        registry.revert()
+    # undeclared pairs keep the rule they always had: the later applied is outside
+    registry.apply(["inner", "loose"], strict=True)
+    seen.clear()
+    cache = model.language_model.make_cache()
+    mx.eval(model.language_model(mx.array([[1, 2]]), cache=cache).logits)
+    assert seen[:2] == ["loose", "inner"]
+
+
+@pytest.mark.parametrize("order", [["fused_kda_kernel", "compiled_kda_decode"], ["compiled_kda_decode", "fused_kda_kernel"]])
+def test_the_fused_kernel_wraps_the_compiled_step_in_both_orders(order):
+    import glm53_patches
+
+    glm53_patches.enable(order, strict=True)
+    owner, attr, installed = _raw(KDA_CALL)
+    assert "fused_kda_kernel" in installed.__code__.co_filename, installed.__code__.co_filename
+
+
 def test_partial_apply_rolls_back(extra_plugins):
     originals = _originals()
     good_then_bad = Patch(
