@@ -114,6 +114,8 @@ def cmd_list(args):
         print(f"{name}  [{patch.numerics}]  {patch.env_var}\n    {patch.summary}")
         for target in patch.targets:
             print(f"    replaces {target}")
+        for knob, spec in sorted(patch.knobs.items()):
+            print(f"    {config.knob_variable(name, knob)}: {spec.doc} (accepted: {spec.accepted})")
         print(f"    upstream: {patch.upstream}")
     return 0
 
@@ -212,6 +214,19 @@ def cmd_fingerprints(args):
     return 1 if missing else 0
 
 
+def cmd_manifest(args):
+    from . import manifest
+
+    changed = manifest.stale(_registry().available())
+    for path, text in changed.items():
+        if args.write:
+            Path(path).write_text(text)
+        print(f"{'wrote' if args.write else 'stale'}: {path}")
+    if not changed:
+        print("entry_points.toml and README's settings table match the declarations")
+    return 1 if changed and not args.write else 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="glm53-patches", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -230,6 +245,9 @@ def main(argv=None):
     tiny.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=cmd_tiny_model)
+    manifest = commands.add_parser("manifest", help="regenerate entry_points.toml and README's settings table from the declarations")
+    manifest.add_argument("--write", action="store_true", help="write them (default: say which are stale)")
+    manifest.set_defaults(run=cmd_manifest)
     prints = commands.add_parser("fingerprints", help="regenerate upstream fingerprints from the pinned releases")
     prints.add_argument("--write", action="store_true", help=f"update {drift.KNOWN_FILE.name} in the package")
     prints.add_argument("--versions", nargs="*", help="mlx-vlm versions (default: upstream_pins.txt)")

@@ -40,6 +40,8 @@ class Knob:
 
     parse: Callable[[str], Any]
     accepted: str  # what an error message lists
+    doc: str = ""  # what it does and its default, for `list`, README and entry_points.toml
+    brief: str = ""  # the accepted values in a few words, for README's table (default: ``accepted``)
 
     def read(self, variable: str, text: str):
         """(value, None) or (None, an error naming the variable, the value and what is accepted)."""
@@ -49,7 +51,7 @@ class Knob:
             return None, f"{variable}={text!r} is not valid; accepted: {self.accepted}"
 
 
-def flag() -> Knob:
+def flag(doc: str = "") -> Knob:
     """On or off, in the one vocabulary."""
 
     def parse(text):
@@ -58,20 +60,20 @@ def flag() -> Knob:
             raise ValueError(text)
         return lowered in _TRUE
 
-    return Knob(parse, BOOL_ACCEPTED)
+    return Knob(parse, BOOL_ACCEPTED, doc, "`1` / `0`")
 
 
-def switch() -> Knob:
+def switch(doc: str = "") -> Knob:
     """``auto`` (None: where `verify` passed), or on (True) / off (False)."""
     on_off = flag()
 
     def parse(text):
         return None if text.strip().lower() == "auto" else on_off.parse(text)
 
-    return Knob(parse, SWITCH_ACCEPTED)
+    return Knob(parse, SWITCH_ACCEPTED, doc, "`auto`, `1` / `0`")
 
 
-def integer(minimum: int = 1, maximum: Optional[int] = None, what: str = "") -> Knob:
+def integer(minimum: int = 1, maximum: Optional[int] = None, what: str = "", doc: str = "") -> Knob:
     """A whole number in [minimum, maximum]."""
 
     def parse(text):
@@ -81,10 +83,10 @@ def integer(minimum: int = 1, maximum: Optional[int] = None, what: str = "") -> 
         return int(text)
 
     bound = f"from {minimum} to {maximum}" if maximum is not None else f"{minimum} or more"
-    return Knob(parse, f"a whole number{' of ' + what if what else ''}, {bound}")
+    return Knob(parse, f"a whole number{' of ' + what if what else ''}, {bound}", doc)
 
 
-def choice(*values) -> Knob:
+def choice(*values, doc: str = "") -> Knob:
     """One of ``values`` (strings compare lowercased; integers by value)."""
 
     def parse(text):
@@ -94,7 +96,7 @@ def choice(*values) -> Knob:
                 return value
         raise ValueError(text)
 
-    return Knob(parse, "one of " + ", ".join(map(str, values)))
+    return Knob(parse, "one of " + ", ".join(map(str, values)), doc, ", ".join(f"`{v}`" for v in values))
 
 
 def knob_variable(patch: str, name: str) -> str:

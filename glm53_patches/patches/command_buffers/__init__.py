@@ -26,7 +26,10 @@ PATCH = Patch(
     in_all=False,  # costs prefill and batched/speculative throughput (seeds 003, 004)
     upstream="not a code change: proposed to MLX as larger defaults on Ultra-class devices (ml-explore/mlx#4521)",
     report=_report,
-    knobs={"ops": config.integer(1, what="operations"), "mb": config.integer(1, what="MB")},
+    knobs={
+        "ops": config.integer(1, what="operations", doc="MLX_MAX_OPS_PER_BUFFER to set (default 200)"),
+        "mb": config.integer(1, what="MB", doc="MLX_MAX_MB_PER_BUFFER to set (default 400)"),
+    },
 )
 
 

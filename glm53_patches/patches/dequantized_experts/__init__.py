@@ -32,7 +32,10 @@ PATCH = Patch(
     upstream="not yet proposed: QuantizedSwitchLinear dequantizing for large sorted prefill batches (PATCH.md)",
     on_revert=lazy(f"{__name__}.experts", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),
-    knobs={"fast_path": config.switch(), "min_tokens": config.integer(1, what="tokens")},
+    knobs={
+        "fast_path": config.switch("on CUDA and the CPU where `verify` passed (auto, the default; never on Metal, unmeasured there), always (1), never (0)"),
+        "min_tokens": config.integer(1, what="tokens", doc="the smallest prefill chunk it takes (default 256)"),
+    },
 )
 
 

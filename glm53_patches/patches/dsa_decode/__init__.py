@@ -53,7 +53,7 @@ PATCH = Patch(
     upstream="not yet proposed: decode branches of Glm5NextIndexer.__call__ and Glm5NextAttention._attend (PATCH.md)",
     on_revert=lazy(f"{__name__}.decode", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),
-    knobs={"kernel": config.switch()},
+    knobs={"kernel": config.switch("its GPU selection kernel: where `verify` passed (auto, the default), always (1), never (0); the CPU has none")},
 )
 
 

@@ -40,7 +40,7 @@ PATCH = Patch(
     upstream="not yet proposed: a CUDA twin of gated_delta_kernel for decode, fused with the norms (PATCH.md)",
     on_revert=lazy(f"{__name__}.step", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),
-    knobs={"kernel": config.switch()},
+    knobs={"kernel": config.switch("its GPU kernel: where `verify` passed (auto, the default), always (1), never (0); the CPU has none")},
 )
 
 

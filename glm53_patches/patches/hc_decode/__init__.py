@@ -41,10 +41,10 @@ PATCH = Patch(
     # The CUDA and Metal kernels run only where `glm53-patches verify` passed
     # (or with GLM53_HC_DECODE_KERNEL=1); the compiled path runs elsewhere.
     kernel_backends=("cuda", "metal"),
-    upstream="not yet proposed",
+    upstream="not yet proposed: opt-in fused hyper-connection decode layer with a CUDA Sinkhorn kernel (MLX_VLM_GLM5_HC_DECODE)",
     on_revert=lazy(f"{__name__}.layer", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),
-    knobs={"kernel": config.switch()},
+    knobs={"kernel": config.switch("its GPU Sinkhorn kernel: where `verify` passed (auto, the default), always (1), never (0); the CPU has none")},
 )
 
 

@@ -34,9 +34,12 @@ PATCH = Patch(
     # ulps and near-tied pools can swap. Quality gate: PATCH.md.
     numerics="changing",
     kernel_backends=("cuda", "metal"),
-    upstream="not yet proposed",
+    upstream="not yet proposed: fused float32 indexer score (CUDA/Metal kernel, compiled fallback)",
     on_revert=lazy(_SCORE, "clear", only_if_loaded=True),
-    knobs={"kernel": config.flag(), "kernel_max_queries": config.integer(1, what="queries")},
+    knobs={
+        "kernel": config.flag("its CUDA/Metal kernel instead of the compiled score (default off)"),
+        "kernel_max_queries": config.integer(1, what="queries", doc="the longest query chunk the kernel takes (default 16)"),
+    },
 )
 
 

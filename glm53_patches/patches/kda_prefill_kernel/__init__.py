@@ -43,7 +43,10 @@ PATCH = Patch(
     kernel_backends=(),  # no hand-written kernels; plain MLX ops
     upstream="not yet proposed: a chunked gated_delta_ops for vectorized gates (PATCH.md)",
     on_revert=lazy(f"{__name__}.mixer", "clear", only_if_loaded=True),
-    knobs={"method": config.choice("auto", "kernel", "chunked"), "chunk": config.choice(16, 32, 64, 128)},
+    knobs={
+        "method": config.choice("auto", "kernel", "chunked", doc="auto (the default): the CUDA kernel on CUDA, the chunked form elsewhere"),
+        "chunk": config.choice(16, 32, 64, 128, doc="the chunked form's chunk length (default 16)"),
+    },
 )
 
 

@@ -124,7 +124,7 @@ PATCH = Patch(
     verify=lazy(f"{__name__}.verify", "verify"),
     report=_report,
     stats=VaultStats(),
-    knobs={"harvest": config.choice("equal", "solo", "any")},
+    knobs={"harvest": config.choice("equal", "solo", "any", doc="which prefills are stored: solo or equal-length batches (equal, the default), single requests only, any")},
 )
 
 
