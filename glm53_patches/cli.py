@@ -49,14 +49,14 @@ def _here(registry):
     mlx_problem = backend.mlx_problem()
     view = {}
     for name, patch in patches.items():
-        problems = drift.check(patch.all_fingerprinted())
+        problems = drift.check_patch(patch)
         view[name] = {
             # None: unknown without MLX (`all` depends on this backend's verify records)
             "requested": None if mlx_problem else settings.wants(name, registry.covered_by_all(patch)),
             "env": patch.env_var,
             "numerics": patch.numerics,
             "drift": problems or None,
-            "verified_on": drift.verified_versions(patch.all_fingerprinted()),
+            "verified_on": drift.verified_versions(patch),
             "kernels_verified_here": {
                 b: verify_records.passed(name, b) for b in patch.kernel_backends
             },
@@ -199,16 +199,26 @@ def cmd_tiny_model(args):
 
 
 def cmd_fingerprints(args):
-    targets = sorted({t for p in _registry().available().values() for t in p.all_fingerprinted()})
+    """Each patch's upstream fingerprints, from the pinned releases' wheels, into its own file."""
+    patches = _registry().available()
+    names = args.patch or list(patches)
+    unknown = [n for n in names if n not in patches]
+    if unknown:
+        print(f"unknown patch(es): {', '.join(unknown)}; patches: {', '.join(patches)}", file=sys.stderr)
+        return 2
     versions = args.versions or pins.mlx_vlm_versions()
+    targets = sorted({t for n in names for t in patches[n].all_fingerprinted()})
     known = drift.regenerate(targets, versions, Path(args.cache))
+    for name in names:
+        patch = patches[name]
+        own = {t: known[t] for t in sorted(patch.all_fingerprinted()) if t in known}
+        text = json.dumps(own, indent=1, sort_keys=True) + "\n"
+        if args.write:
+            patch.fingerprints_path().write_text(text)
+            print(f"wrote {patch.fingerprints_path()} ({len(own)} objects, versions {', '.join(versions)})")
+        else:
+            print(f"# {name}: {patch.fingerprints_path()}\n{text}")
     missing = [t for t in targets if t not in known]
-    text = json.dumps(known, indent=1, sort_keys=True) + "\n"
-    if args.write:
-        drift.KNOWN_FILE.write_text(text)
-        print(f"wrote {drift.KNOWN_FILE} ({len(known)} targets, versions {', '.join(versions)})")
-    else:
-        print(text)
     for target in missing:
         print(f"warning: {target} exists in none of {versions}", file=sys.stderr)
     return 1 if missing else 0
@@ -249,7 +259,8 @@ def main(argv=None):
     manifest.add_argument("--write", action="store_true", help="write them (default: say which are stale)")
     manifest.set_defaults(run=cmd_manifest)
     prints = commands.add_parser("fingerprints", help="regenerate upstream fingerprints from the pinned releases")
-    prints.add_argument("--write", action="store_true", help=f"update {drift.KNOWN_FILE.name} in the package")
+    prints.add_argument("patch", nargs="*", help="only these patches (default: every installed one)")
+    prints.add_argument("--write", action="store_true", help=f"update each patch's {drift.FILE_NAME} beside its declaration")
     prints.add_argument("--versions", nargs="*", help="mlx-vlm versions (default: upstream_pins.txt)")
     prints.add_argument("--cache", default=str(config.state_dir() / "releases"))
     prints.set_defaults(run=cmd_fingerprints)

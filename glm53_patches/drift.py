@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-KNOWN_FILE = Path(__file__).with_name("fingerprints.json")
+FILE_NAME = "fingerprints.json"  # one per patch, beside its declaration: two patch PRs never touch one file
 
 
 def split_target(target: str):
@@ -128,16 +128,25 @@ def fingerprint(target: str, root: Optional[Path] = None) -> Optional[str]:
     return _fingerprint_file(path, qualname)
 
 
-def load_known() -> Dict[str, Dict[str, List[str]]]:
-    """{target: {fingerprint: [mlx-vlm versions]}} shipped with the package."""
-    if not KNOWN_FILE.exists():
+def load_known(path: Path) -> Dict[str, Dict[str, List[str]]]:
+    """{target: {fingerprint: [mlx-vlm versions]}} from one patch's file ({} if it has none)."""
+    path = Path(path)
+    if not path.is_file():
         return {}
-    return json.loads(KNOWN_FILE.read_text())
+    return json.loads(path.read_text())
 
 
-def check(targets: Iterable[str], known=None, root=None) -> Dict[str, str]:
-    """{target: problem} for every target whose fingerprint is not known."""
-    known = load_known() if known is None else known
+def known_for(patch) -> Dict[str, Dict[str, List[str]]]:
+    return load_known(patch.fingerprints_path())
+
+
+def check_patch(patch, root=None) -> Dict[str, str]:
+    """{target: problem} for the patch's targets and relied-on objects, against its own fingerprints."""
+    return check(patch.all_fingerprinted(), known_for(patch), root)
+
+
+def check(targets: Iterable[str], known, root=None) -> Dict[str, str]:
+    """{target: problem} for every target whose fingerprint is not in `known`."""
     problems = {}
     for target in targets:
         found = fingerprint(target, root)
@@ -155,9 +164,9 @@ def summary(problems: Dict[str, str], shown: int = 2) -> str:
     return f"{len(items)} upstream object(s) differ from every verified mlx-vlm: " + "; ".join(items[:shown]) + more
 
 
-def verified_versions(targets: Iterable[str], known=None) -> List[str]:
-    """Pinned versions on which every one of `targets` has a known fingerprint."""
-    known = load_known() if known is None else known
+def verified_versions(patch) -> List[str]:
+    """Pinned versions on which every object the patch fingerprints has a known fingerprint."""
+    known, targets = known_for(patch), patch.all_fingerprinted()
     sets = [set(v for versions in known.get(t, {}).values() for v in versions) for t in targets]
     return sorted(set.intersection(*sets)) if sets else []
 

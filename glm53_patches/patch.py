@@ -1,8 +1,10 @@
 """The Patch type: everything about one patch is declared data."""
 
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
 from .config import Knob
@@ -60,10 +62,28 @@ class Patch:
     # Its settings, GLM53_<NAME>_<KNOB>: checked at start-up (a bad value applies nothing).
     knobs: Dict[str, Knob] = field(default_factory=dict)
     stats: Stats = field(default_factory=Stats)
+    # The module that declares it (default: where ``Patch(...)`` is written), and the file of
+    # upstream fingerprints it was verified against (default: fingerprints.json beside that module).
+    package: str = ""
+    fingerprints_file: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.package:  # frames: __post_init__, the dataclass __init__, the declaring module
+            self.package = sys._getframe(2).f_globals.get("__name__", "")
 
     @property
     def env_var(self):
         return f"GLM53_PATCH_{self.name.upper()}"
+
+    def folder(self) -> Path:
+        """The folder of the declaring package (or of the declaring module's file)."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or spec.origin is None:
+            raise LookupError(f"patch {self.name!r}: cannot locate its module {self.package!r}")
+        return Path(spec.origin).parent
+
+    def fingerprints_path(self) -> Path:
+        return Path(self.fingerprints_file) if self.fingerprints_file else self.folder() / "fingerprints.json"  # drift.FILE_NAME
 
     def all_fingerprinted(self):
         return tuple(self.targets) + tuple(self.relies_on)

@@ -171,7 +171,7 @@ def apply(names, *, force=(), strict: bool = False) -> Dict[str, Dict]:
             if patch is None:
                 _refuse(name, "unknown", "no installed plugin provides it", strict)
                 continue
-            problems = drift.check(patch.all_fingerprinted())
+            problems = drift.check_patch(patch)
             if problems and name not in force:
                 _refuse(name, "drift", drift.summary(problems), strict, drift=problems)
                 continue

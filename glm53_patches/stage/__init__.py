@@ -204,7 +204,7 @@ def _stage_into(result, patch, described: Description, tree, out, work, models, 
         "removed": sum(1 for l in diff.splitlines() if l.startswith("-") and not l.startswith("---")),
         "files": {**{p: "new" for p in staged.new_files}, **{p: "changed" for p in staged.changed_files}},
     }
-    result.drift = drift.check(patch.all_fingerprinted(), root=tree)
+    result.drift = drift.check_patch(patch, root=tree)
     repo = checks.git_copy(tree, work / "tree")
     check = checks.git_apply(repo, diff_path, check=True)
     if check.returncode:

@@ -11,6 +11,7 @@ from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch
 
 KDA_CALL = f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__"
+KDA_PRINTS = str(registry.available()["compiled_kda_decode"].fingerprints_path())  # verifies KDA_CALL
 
 
 class _Plugin:
@@ -33,7 +34,7 @@ def _patch(name, scale=None):
 
         return call
 
-    patch = Patch(name=name, summary="test arm", targets={KDA_CALL: factory})
+    patch = Patch(name=name, summary="test arm", targets={KDA_CALL: factory}, fingerprints_file=KDA_PRINTS)
     return patch
 
 

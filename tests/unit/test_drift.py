@@ -25,18 +25,33 @@ def test_missing_object_has_no_fingerprint():
     assert drift.fingerprint_source(SOURCE, "Other") is None
 
 
-def test_shipped_fingerprints_cover_every_target_on_every_pin():
-    known = drift.load_known()
+def test_each_patch_fingerprints_every_object_it_touches_on_every_pin():
+    """Each patch's own file (beside its declaration) covers its targets and relied-on objects, and only them."""
     versions = set(pins.mlx_vlm_versions())
     for patch in registry.available().values():
+        known = drift.known_for(patch)
+        assert patch.fingerprints_path().parent == patch.folder()
+        assert set(known) == set(patch.all_fingerprinted()), patch.name
         for target in patch.all_fingerprinted():
             covered = {v for vs in known.get(target, {}).values() for v in vs}
-            assert covered == versions, f"{target}: fingerprinted on {sorted(covered)}, pins {sorted(versions)}"
+            assert covered == versions, f"{patch.name} {target}: fingerprinted on {sorted(covered)}, pins {sorted(versions)}"
 
 
 def test_installed_upstream_matches_a_shipped_fingerprint():
     for patch in registry.available().values():
-        assert drift.check(patch.all_fingerprinted()) == {}, patch.name
+        assert drift.check_patch(patch) == {}, patch.name
+
+
+def test_a_patch_is_checked_against_its_own_file_only(tmp_path):
+    """Another patch's fingerprints of the same object do not admit a patch whose own file lacks it."""
+    import dataclasses
+
+    kda = registry.available()["compiled_kda_decode"]
+    (tmp_path / "fingerprints.json").write_text("{}")
+    orphan = dataclasses.replace(kda, name="orphan", fingerprints_file=str(tmp_path / "fingerprints.json"))
+    problems = drift.check_patch(orphan)
+    assert set(problems) == set(kda.all_fingerprinted())
+    assert all("never verified" in problem for problem in problems.values())
 
 
 def test_fields_a_newer_python_adds_empty_do_not_count():

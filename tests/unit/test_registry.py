@@ -11,6 +11,8 @@ from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch
 
 KDA_CALL = f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__"
+# Test patches replace the method compiled_kda_decode replaces: its fingerprints verify that object.
+KDA_PRINTS = str(registry.available()["compiled_kda_decode"].fingerprints_path())
 
 
 def _raw(target):
@@ -37,7 +39,7 @@ def counting_patch(name, target=KDA_CALL, **kwargs):
 
         return wrapper
 
-    patch = Patch(name=name, summary="counts calls", targets={target: factory}, **kwargs)
+    patch = Patch(name=name, summary="counts calls", targets={target: factory}, fingerprints_file=KDA_PRINTS, **kwargs)
     return patch
 
 
@@ -151,7 +153,8 @@ def ordered_probe(name, seen, **kwargs):
 
         return wrapper
 
-    return Patch(name=name, summary="records call order", targets={KDA_CALL: factory}, **kwargs)
+    return Patch(name=name, summary="records call order", targets={KDA_CALL: factory}, fingerprints_file=KDA_PRINTS,
+                 **kwargs)
 
 
 def test_declared_order_wins_over_the_order_of_enabling(extra_plugins, tiny_fp32_dir):
@@ -211,7 +214,7 @@ def test_drift_refuses_unless_forced(extra_plugins, monkeypatch):
     result = registry.apply(["probe_a"])  # its target is known, but only for compiled_kda_decode's entry
     assert result["probe_a"]["state"] == "applied"
     registry.revert()
-    monkeypatch.setattr(drift, "load_known", lambda: {})
+    monkeypatch.setattr(drift, "load_known", lambda path: {})
     result = registry.apply(["probe_a"])
     assert result["probe_a"]["state"] == "drift" and "never verified" in result["probe_a"]["reason"]
     _assert_restored(originals)
