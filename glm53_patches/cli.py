@@ -58,7 +58,7 @@ def _here(registry):
             "drift": problems or None,
             "verified_on": drift.verified_versions(patch),
             "kernels_verified_here": {
-                b: verify_records.passed(name, b) for b in patch.kernel_backends
+                b: verify_records.passed(name, b) for b in patch.needs_verify_on
             },
         }
     knob_errors, warnings = config.knob_problems(patches)

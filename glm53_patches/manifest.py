@@ -46,6 +46,8 @@ def render_manifest(patches) -> str:
             f"numerics = {_toml(patch.numerics)}",
             f"in_all = {'true' if patch.in_all else 'false'}",
             f"runs_before = {_toml(list(patch.runs_before))}",
+            f"needs_verify_on = {_toml(list(patch.needs_verify_on))}",
+            f"kernels_on = {_toml(list(patch.kernels_on))}",
             f"targets = {_toml(list(patch.targets))}",
             f"upstream = {_toml(patch.upstream)}",
         ]

@@ -48,7 +48,10 @@ class Patch:
     targets: Dict[str, Callable[[object], object]]
     relies_on: Tuple[str, ...] = ()
     numerics: str = "exact"  # "exact" or "changing"
-    kernel_backends: Tuple[str, ...] = ()  # backends with custom kernels that need `verify`
+    # Backends where GLM53_PATCHES=all includes it only once `glm53-patches verify` passed on this
+    # machine: where its own kernels run, or where a compile or library may round differently.
+    needs_verify_on: Tuple[str, ...] = ()
+    kernels_on: Tuple[str, ...] = ()  # backends with hand-written kernels (mx.fast.cuda_kernel / metal_kernel)
     upstream: str = "not yet proposed"
     in_all: bool = True  # False: a trade-off that GLM53_PATCHES=all must not make for the user
     # On a target it shares with these patches, this one is called first (it wraps theirs and hands

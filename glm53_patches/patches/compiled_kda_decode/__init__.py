@@ -44,7 +44,7 @@ PATCH = Patch(
     # kernels (math mode, FMA contraction, constant printing): the CPU is
     # covered by tests/numerics; a GPU backend joins GLM53_PATCHES=all only
     # after `glm53-patches verify compiled_kda_decode` passed on it.
-    kernel_backends=("metal", "cuda"),
+    needs_verify_on=("metal", "cuda"),
     upstream="not yet proposed: opt-in compiled KDA decode step (MLX_VLM_GLM5_COMPILED_KDA_DECODE)",
     on_revert=lazy(f"{__name__}.step", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),

@@ -28,7 +28,7 @@ PATCH = Patch(
         f"{GLM5_NEXT}:Glm5NextMoE.__init__",
     ),
     numerics="exact",
-    kernel_backends=("cuda", "metal", "cpu"),
+    needs_verify_on=("cuda", "metal", "cpu"),  # its fast path swaps a kernel: every backend verifies it
     upstream="not yet proposed: QuantizedSwitchLinear dequantizing for large sorted prefill batches (PATCH.md)",
     on_revert=lazy(f"{__name__}.experts", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),

@@ -27,7 +27,7 @@ from . import PATCH
 stats = PATCH.stats
 # GLM53_DEQUANTIZED_EXPERTS_FAST_PATH. `auto` stays off on Metal even after `verify` passes there:
 # MLX's Metal gather_qmm has tuned kernels, and no one has measured which is faster on a Mac.
-switch = KernelSwitch(PATCH.name, backends=PATCH.kernel_backends, knob="fast_path", auto_backends=("cuda", "cpu"))
+switch = KernelSwitch(PATCH.name, backends=("cuda", "metal", "cpu"), knob="fast_path", auto_backends=("cuda", "cpu"))
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 DEFAULT_MIN_TOKENS = 256
 _min_tokens = None

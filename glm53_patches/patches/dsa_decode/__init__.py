@@ -49,7 +49,8 @@ PATCH = Patch(
     # The compiled part is integer-only (no rounding, no math mode), and every
     # float op is stock's own call: exact on any backend by construction. The
     # selection kernel (CUDA, Metal) runs where `verify` passed on this machine.
-    kernel_backends=("cuda", "metal"),
+    needs_verify_on=("cuda", "metal"),
+    kernels_on=("cuda", "metal"),
     upstream="not yet proposed: decode branches of Glm5NextIndexer.__call__ and Glm5NextAttention._attend (PATCH.md)",
     on_revert=lazy(f"{__name__}.decode", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),

@@ -61,7 +61,7 @@ def measure(pieces, contexts, dtype, rounds, steps):
     for piece, (target, make, case) in pieces.items():
         stock = registry.upstream(target)
         arms = {"stock": stock, "dsa_decode": _with_kernel(make(stock), False)}
-        if piece == "indexer" and registry.backend() in PATCH.kernel_backends:
+        if piece == "indexer" and registry.backend() in PATCH.kernels_on:
             arms["dsa_decode kernel"] = _with_kernel(make(stock), True)
         for context in contexts:
             start = case(dtype, context)

@@ -143,7 +143,7 @@ def verify():
     stock_attend = registry.upstream(attend_target)
     tally = Tally()
     before = PATCH.stats.snapshot()["hits"]
-    gpu = registry.backend() in PATCH.kernel_backends
+    gpu = registry.backend() in PATCH.kernels_on
     with switch.forcing(False):  # the compiled selection
         check_indexer(tally, stock, make_call(stock))
         check_attend(tally, stock_attend, make_attend(stock_attend))

@@ -36,7 +36,8 @@ PATCH = Patch(
     ),
     numerics="exact",
     runs_before=("compiled_kda_decode",),  # the kernel first; what it does not take goes to the compiled step
-    kernel_backends=("cuda", "metal"),
+    needs_verify_on=("cuda", "metal"),
+    kernels_on=("cuda", "metal"),
     upstream="not yet proposed: a CUDA twin of gated_delta_kernel for decode, fused with the norms (PATCH.md)",
     on_revert=lazy(f"{__name__}.step", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),

@@ -29,7 +29,7 @@ PATCH = Patch(
     # than stock's, and the library under it may choose its algorithm by batch
     # count: GLM53_PATCHES=all includes it there only after `verify` passed.
     # (On Metal it always calls stock.)
-    kernel_backends=("cuda",),
+    needs_verify_on=("cuda",),
     upstream="not yet proposed: flatten K/V once per call, shape-derived query chunks, ordered chunk gathers (PATCH.md)",
     verify=lazy(f"{__name__}.verify", "verify"),
     report=lazy(f"{__name__}.attention", "report"),

@@ -40,7 +40,8 @@ PATCH = Patch(
     numerics="exact",
     # The CUDA and Metal kernels run only where `glm53-patches verify` passed
     # (or with GLM53_HC_DECODE_KERNEL=1); the compiled path runs elsewhere.
-    kernel_backends=("cuda", "metal"),
+    needs_verify_on=("cuda", "metal"),
+    kernels_on=("cuda", "metal"),
     upstream="not yet proposed: opt-in fused hyper-connection decode layer with a CUDA Sinkhorn kernel (MLX_VLM_GLM5_HC_DECODE)",
     on_revert=lazy(f"{__name__}.layer", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.verify", "verify"),

@@ -33,7 +33,8 @@ PATCH = Patch(
     # sum in another order (and contract to FMA), so scores move by float32
     # ulps and near-tied pools can swap. Quality gate: PATCH.md.
     numerics="changing",
-    kernel_backends=("cuda", "metal"),
+    needs_verify_on=("cuda", "metal"),
+    kernels_on=("cuda", "metal"),
     upstream="not yet proposed: fused float32 indexer score (CUDA/Metal kernel, compiled fallback)",
     on_revert=lazy(_SCORE, "clear", only_if_loaded=True),
     knobs={

@@ -40,7 +40,7 @@ PATCH = Patch(
         f"{_CACHE}.make_mask",
     ),
     numerics="changing",
-    kernel_backends=(),  # no hand-written kernels; plain MLX ops
+    needs_verify_on=(),  # no hand-written kernels; plain MLX ops
     upstream="not yet proposed: a chunked gated_delta_ops for vectorized gates (PATCH.md)",
     on_revert=lazy(f"{__name__}.mixer", "clear", only_if_loaded=True),
     knobs={

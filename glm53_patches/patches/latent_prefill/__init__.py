@@ -28,7 +28,7 @@ PATCH = Patch(
         f"{_CACHE}:BatchKVCache.update_and_fetch",
     ),
     numerics="changing",
-    kernel_backends=(),  # no kernels: stock's own SDPA and MultiLinear calls
+    needs_verify_on=(),  # no kernels: stock's own SDPA and MultiLinear calls
     upstream="not yet proposed: the prefill branch of Glm5NextAttention._attend (PATCH.md)",
 )
 

@@ -117,7 +117,7 @@ PATCH = Patch(
     # the cold run does not stop). Measured on the CPU (tests/numerics); a GPU
     # backend joins GLM53_PATCHES=all once `glm53-patches verify vault_cache`
     # passed there.
-    kernel_backends=("metal", "cuda"),
+    needs_verify_on=("metal", "cuda"),
     upstream="not yet proposed: five PRs in PATCH.md (weights fingerprint in the APC key, payload "
     "digest and fsync in DiskBlockStore, harvest policy, minimum exact prefill chunk, numerics key)",
     on_revert=lazy(f"{__name__}.hooks", "forget", only_if_loaded=True),
