@@ -247,6 +247,17 @@ def test_numerics_changing_arm_is_reported_with_its_ratio_unless_tokens_differ()
     assert "differ in decode.16" in differ["verdicts"]["fast"] and not report.is_valid(differ, "fast")
 
 
+def test_an_exact_arm_whose_pipelined_tokens_differ_is_wrong():
+    check = {"outputs_bitwise": True, "final_state_bitwise": True, "max_abs_diff": 0.0, "tokens_match": True,
+             "timed_tokens_match": True, "pipelined_tokens_match": False}
+    r = {"arms": {"stock": {}, "fast": {"numerics": "exact", "patches": ["x"], "applied": True,
+                                        "counters": {"x.hits.call": 1}}},
+         "correctness": {"fast": {"decode.16": check}}}
+    assert report.verdicts(r)["fast"] == "WRONG: differs from stock in decode.16"
+    check["pipelined_tokens_match"] = True
+    assert report.verdicts(r)["fast"] == "ok (bit-identical)"
+
+
 def test_all_arm_is_what_glm53_patches_all_turns_on():
     from glm53_patches.bench import measure
 
