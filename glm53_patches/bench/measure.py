@@ -356,7 +356,8 @@ class Runner:
     def _stream(self):
         # mlx-vlm builds every step under its generation stream (generate/common.py)
         if self._generation_stream is None:
-            self._generation_stream = mx.new_thread_local_stream(mx.default_device())
+            make = getattr(mx, "new_thread_local_stream", mx.new_stream)  # mlx-vlm 0.7.10 calls the newer one
+            self._generation_stream = make(mx.default_device())
         return self._generation_stream
 
 
