@@ -171,11 +171,24 @@ def _digest(arrays):
 
 
 class Workload:
-    """make() -> state; step(state, i) -> evaluated arrays; final(state) -> arrays; token(outs)."""
+    """make() -> state; step(state, i) -> evaluated arrays; final(state) -> arrays; token(outs).
 
-    def __init__(self, name, make, step, final=lambda s: [], token=None, unit="ms", per=1):
-        self.name, self.make, self.step, self.final = name, make, step, final
+    With ``build(state, i)`` (the step's lazy graph, not evaluated) the step is build then
+    ``mx.eval``, and the time spent building is reported. ``pipelined(state, i)`` builds
+    the step as mlx-vlm's decode loop does; it is timed in that loop (``Runner.pipeline``).
+    """
+
+    def __init__(self, name, make, step=None, final=lambda s: [], token=None, unit="ms", per=1,
+                 build=None, pipelined=None):
+        self.name, self.make, self.final = name, make, final
+        self.build, self.pipelined = build, pipelined
+        self.step = step or (lambda state, i: _evaluated(build(state, i)))
         self.token, self.unit, self.per = token, unit, per
+
+
+def _evaluated(arrays):
+    mx.eval(arrays)
+    return arrays
 
 
 def summarize(times_by_round):
@@ -188,6 +201,7 @@ def summarize(times_by_round):
 class Runner:
     def __init__(self, arms, progress, deadline):
         self.arms, self.progress, self.deadline = arms, progress, deadline
+        self._generation_stream = None
 
     def past_deadline(self):
         return time.monotonic() > self.deadline
@@ -228,13 +242,17 @@ class Runner:
                                "stock_digest": _digest([x for o in stock["outs"] for x in o])}
         return verdicts
 
-    def timed(self, workload, rounds, warmup, steps, time_stock=True):
+    def timed(self, workload, rounds, warmup, steps, time_stock=True, pipelined_steps=0):
         """Interleaved rounds (A B, B A, ...), each from a fresh state. Without
-        ``time_stock``, stock is left out and ratios are against the first arm."""
+        ``time_stock``, stock is left out and ratios are against the first arm. With
+        ``pipelined_steps`` and a workload that has ``pipelined``, each arm's turn in a
+        round also runs mlx-vlm's decode loop from a fresh state (``pipeline``)."""
         labels = [l for l in self.arms.labels if time_stock or l != "stock"]
-        times = {label: [] for label in labels}
+        pipelined = bool(pipelined_steps and workload.pipelined)
+        times, builds = {label: [] for label in labels}, {label: [] for label in labels}
         peaks = {label: 0 for label in labels}
         tokens = {label: [] for label in labels}
+        loops = {label: [] for label in labels}
         for r in range(rounds):
             for label in (labels if r % 2 == 0 else labels[::-1]):
                 self.arms.activate(label)
@@ -245,19 +263,28 @@ class Runner:
                     if workload.token:
                         seen.append(workload.token(arrays))
                 mx.reset_peak_memory()
-                run = []
+                run, built = [], []
                 for i in range(warmup, warmup + steps):
                     t0 = time.perf_counter()
-                    arrays = workload.step(state, i)
+                    if workload.build:  # the graph first, then its evaluation: the same step, split
+                        arrays = workload.build(state, i)
+                        built.append((time.perf_counter() - t0) * 1e3 / workload.per)
+                        mx.eval(arrays)
+                    else:
+                        arrays = workload.step(state, i)
                     run.append((time.perf_counter() - t0) * 1e3 / workload.per)
                     if workload.token:
                         seen.append(workload.token(arrays))
                 peaks[label] = max(peaks[label], mx.get_peak_memory())
                 times[label].append(run)
+                builds[label].append(built)
                 tokens[label].append(seen)
-                self.progress(f"{workload.name} | {label:>22} | round {r + 1}/{rounds} | "
-                              f"{statistics.median(run):9.3f} {workload.unit}")
+                line = f"{statistics.median(run):9.3f} {workload.unit}"
                 del state
+                if pipelined:
+                    loops[label].append(self.pipeline(workload, workload.make(), warmup, pipelined_steps))
+                    line += f", pipelined {statistics.median(loops[label][-1]['ms_per_token']):9.3f}"
+                self.progress(f"{workload.name} | {label:>22} | round {r + 1}/{rounds} | {line}")
             if self.past_deadline() and r + 1 < rounds:
                 self.progress(f"{workload.name}: time budget spent, stopping after {r + 1} rounds")
                 break
@@ -265,16 +292,87 @@ class Runner:
         out = {}
         base_label = labels[0]  # stock, when timed
         base = summarize(times[base_label])
+        ratio = f"ratio_vs_{'stock' if time_stock else 'first_arm'}"
         for label in labels:
             entry = summarize(times[label])
-            entry[f"ratio_vs_{'stock' if time_stock else 'first_arm'}"] = base["median"] / entry["median"]
+            entry[ratio] = base["median"] / entry["median"]
             entry["ratio_rounds"] = [s / a for s, a in zip(base["round_medians"], entry["round_medians"])]
             entry["peak_memory"] = peaks[label]
+            if workload.build:
+                entry["build_ms"] = summarize(builds[label])
             if workload.token and time_stock:
                 entry["timed_tokens_match_stock"] = all(t == tokens["stock"][0] for t in tokens[label])
             out[label] = entry
+        if pipelined:
+            base = summarize([loop["ms_per_token"] for loop in loops[base_label]])
+            for label in labels:
+                entry = out[label]["pipelined"] = _pipelined_summary(loops[label], base, out[label], ratio)
+                if time_stock:
+                    entry["tokens_match_stock"] = all(l["tokens"] == loops["stock"][0]["tokens"] for l in loops[label])
+                # the same greedy tokens as this arm's synchronous steps, as far as both ran
+                entry["tokens_match_synchronous"] = all(
+                    l["tokens"][:len(t)] == t[:len(l["tokens"])] for l, t in zip(loops[label], tokens[label]))
         return {"unit": workload.unit, "rounds": len(times[base_label]), "warmup": warmup, "steps": steps,
-                "ratio_base": base_label, "arms": out}
+                "ratio_base": base_label, "arms": out, **({"pipelined_steps": pipelined_steps} if pipelined else {})}
+
+    def pipeline(self, workload, state, warmup, steps):
+        """mlx-vlm 0.7.10's decode loop (generate/ar.py ``generate_step``; the server's
+        ``GenerationBatch._step`` is the same pattern): step n+1 is built on step n's
+        lazy token and ``mx.async_eval``'d before step n's token is read with ``.item()``.
+        Per timed token: the ms since the previous token arrived, and the thread's ms
+        building step n+1's graph, inside ``async_eval`` and waiting in ``.item()``."""
+        stream = self._stream()
+        record = {"ms_per_token": [], "build_ms": [], "async_eval_ms": [], "wait_ms": [], "tokens": []}
+
+        def launch(i):
+            t0 = time.perf_counter()
+            with mx.stream(stream):
+                arrays = workload.pipelined(state, i)
+            t1 = time.perf_counter()
+            mx.async_eval(*arrays)
+            return arrays, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+        current = launch(0)[0]
+        last = time.perf_counter()
+        for n in range(warmup + steps):
+            ahead, build_ms, async_ms = launch(n + 1)
+            if (n + 1) % CACHE_EVAL_INTERVAL == 0:
+                mx.eval(workload.final(state))
+            t0 = time.perf_counter()
+            token = workload.token(current)
+            now = time.perf_counter()
+            if n % 256 == 0:
+                mx.clear_cache()
+            record["tokens"].append(token)
+            if n >= warmup:
+                for key, value in (("ms_per_token", now - last), ("wait_ms", now - t0)):
+                    record[key].append(value * 1e3)
+                record["build_ms"].append(build_ms)
+                record["async_eval_ms"].append(async_ms)
+            last, current = now, ahead
+        mx.eval(current)  # the step built ahead, finished before anything else is timed
+        return record
+
+    def _stream(self):
+        # mlx-vlm builds every step under its generation stream (generate/common.py)
+        if self._generation_stream is None:
+            make = getattr(mx, "new_thread_local_stream", mx.new_stream)  # mlx-vlm 0.7.10 calls the newer one
+            self._generation_stream = make(mx.default_device())
+        return self._generation_stream
+
+
+CACHE_EVAL_INTERVAL = 50  # ar.py's DEFAULT_CACHE_EVAL_INTERVAL: the caches are evaluated every 50 tokens
+
+
+def _pipelined_summary(loops, base, synchronous, ratio):
+    entry = {key: summarize([loop[key] for loop in loops])
+             for key in ("ms_per_token", "build_ms", "async_eval_ms", "wait_ms")}
+    ms = entry["ms_per_token"]
+    entry.update(tokens_per_s=1e3 / ms["median"], tokens_per_s_min=1e3 / ms["max"], tokens_per_s_max=1e3 / ms["min"],
+                 ratio_rounds=[b / a for b, a in zip(base["round_medians"], ms["round_medians"])],
+                 speedup_vs_synchronous=synchronous["median"] / ms["median"])
+    entry[ratio] = base["median"] / ms["median"]
+    return entry
 
 
 def _f32(x):

@@ -41,7 +41,7 @@ class Bench:
         self.progress, self.save = progress, save
         deadline = time.monotonic() + (args.budget_s or 1e9)
         self.runner = measure.Runner(arms, progress, deadline)
-        self.dtype = model.lm_head.scales.dtype if hasattr(model, "lm_head") else mx.float32
+        self.dtype = model.model.norm.weight.dtype  # the activations' (norms are stored in it)
         self.results = None  # set by the caller
         self._contexts = {}
         self._prefill_checked = set()
@@ -63,20 +63,23 @@ class Bench:
         return xs
 
     def _run(self, group, name, workload, steps=None, warmup=None, check_steps=None, rounds=None,
-             check_workload=None, time_stock=True):
+             check_workload=None, time_stock=True, pipelined_steps=0):
         """Check (against stock, bit for bit) then time; ``check_workload`` checks instead
         of ``workload``, False skips the check."""
         a = self.args
         check = {} if check_workload is False else \
             self.runner.check(check_workload or workload, check_steps or max(a.check_steps, 1))
         timed = self.runner.timed(workload, rounds or a.rounds, a.warmup if warmup is None else warmup,
-                                  a.steps if steps is None else steps, time_stock)
+                                  a.steps if steps is None else steps, time_stock, pipelined_steps)
         timed["check"] = check
         checked = f"{group}.{check_workload.name if check_workload else name}"
         for label, verdict in check.items():
             self.results["correctness"].setdefault(label, {})[checked] = verdict
-            if "timed_tokens_match_stock" in timed["arms"].get(label, {}):
-                verdict["timed_tokens_match"] = timed["arms"][label]["timed_tokens_match_stock"]
+            arm = timed["arms"].get(label, {})
+            if "timed_tokens_match_stock" in arm:
+                verdict["timed_tokens_match"] = arm["timed_tokens_match_stock"]
+            if "tokens_match_stock" in arm.get("pipelined", {}):
+                verdict["pipelined_tokens_match"] = arm["pipelined"]["tokens_match_stock"]
         self.results.setdefault(group, {})[name] = timed
         self.results["peak_memory"][f"{group}.{name}"] = {l: e["peak_memory"] for l, e in timed["arms"].items()}
         return timed
@@ -124,17 +127,24 @@ class Bench:
         def make():
             return {"cache": synthetic.clone_cache(self.context(tokens)), "token": mx.array([[1]], dtype=mx.int32)}
 
-        def step(s, i):
+        def build(s, i):
             logits = model(s["token"], cache=s["cache"]).logits[:, -1, :]
             y = mx.argmax(logits, axis=-1)
-            mx.eval(y, logits)
             s["token"] = y[:, None]
             return [logits, y]
+
+        def serve(s, i):  # mlx-vlm's _step in generate_step: greedy sampling of the log-probabilities
+            logits = model(s["token"], cache=s["cache"]).logits[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            y = mx.argmax(logprobs, axis=-1)
+            s["token"] = y[:, None]
+            return [logprobs, y]
 
         def final(s):
             return synthetic.cache_arrays(s["cache"])
 
-        return measure.Workload(f"decode ctx {tokens}", make, step, final, token=lambda arrays: arrays[1].item())
+        return measure.Workload(f"decode ctx {tokens}", make, final=final, token=lambda arrays: arrays[1].item(),
+                                build=build, pipelined=serve)
 
     def decode(self):
         for tokens in self.args.contexts:
@@ -142,7 +152,7 @@ class Bench:
                 self.results["skipped"].append(f"decode at {tokens}: time budget spent")
                 continue
             workload = self._decode_workload(tokens)
-            timed = self._run("decode", str(tokens), workload)
+            timed = self._run("decode", str(tokens), workload, pipelined_steps=self.args.pipelined_steps)
             timed["context"] = tokens
             state = synthetic.cache_arrays(
                 [c for c, l in zip(self.context(tokens), self.model.model.layers) if l.is_linear])
@@ -159,10 +169,9 @@ class Bench:
             for name, workload in workloads:
                 state = workload.make()
                 workload.step(state, 0)  # first step traces and compiles
-                logits = self.model(state["token"], cache=state["cache"]).logits[:, -1, :]
-                y = mx.argmax(logits, axis=-1)
-                counts.setdefault(name, {})[label] = measure.count_primitives([y, logits])
-                mx.eval(y, logits)
+                arrays = workload.build(state, 1)
+                counts.setdefault(name, {})[label] = measure.count_primitives(arrays)
+                mx.eval(arrays)
             self.progress(f"graph | {label:>22} | {counts['decode_step'][label]['total']} primitives per decode step")
         counts["decode_step"]["context"] = tokens
         self.arms.release()

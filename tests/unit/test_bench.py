@@ -1,6 +1,7 @@
 """glm53-patches bench: the --small preset end to end on the CPU (no timed assertions)."""
 
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -82,6 +83,71 @@ def test_json_has_every_figure(run):
     assert r["floor_ms"]["copy"] > 0 and r["bytes_per_token"]["weights"] > 0
     assert "decode.96" in r["peak_memory"] and r["peak_memory"]["after_build"] > 0
     assert r["model"]["experts"] == 8 and "same" in r["model"]["note"]
+
+
+def test_decode_is_also_timed_as_mlx_vlm_pipelines_it(run):
+    """Beside each synchronous decode figure: the graph-build time per step and mlx-vlm's
+    async_eval loop (tok/s, ms/token, and the thread's build / async_eval / wait split)."""
+    _, r = run
+    for ctx in ("16", "96"):
+        assert r["decode"][ctx]["pipelined_steps"] == 2
+        for arm in ("stock", "bench_probe_exact", "bench_probe_wrong"):
+            entry = r["decode"][ctx]["arms"][arm]
+            assert 0 < entry["build_ms"]["median"] <= entry["median"]  # building is part of the step
+            assert entry["build_ms"]["samples"] == entry["samples"] == 4
+            piped = entry["pipelined"]
+            step = piped["ms_per_token"]
+            assert step["samples"] == 4 and len(step["round_medians"]) == 2 and step["min"] <= step["max"]
+            assert piped["tokens_per_s"] == pytest.approx(1e3 / step["median"])
+            for part in ("build_ms", "async_eval_ms", "wait_ms"):  # each a part of every token's interval
+                assert 0 <= piped[part]["median"] <= step["median"] and piped[part]["samples"] == 4
+            assert piped["build_ms"]["median"] > 0 and piped["ratio_vs_stock"] > 0
+            assert piped["tokens_match_synchronous"]  # the same greedy tokens as the synchronous steps
+        assert r["decode"][ctx]["arms"]["bench_probe_exact"]["pipelined"]["tokens_match_stock"]
+        assert r["correctness"]["bench_probe_exact"][f"decode.{ctx}"]["pipelined_tokens_match"]
+        assert isinstance(r["correctness"]["bench_probe_wrong"][f"decode.{ctx}"]["pipelined_tokens_match"], bool)
+
+
+def _column(lines, title, header, arm):
+    """The cell under ``header`` in ``arm``'s row of the table block that starts with ``title``."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    head = next(i for i in range(start, len(lines))
+                if lines[i].startswith("arm ") and header in re.split(r"\s{2,}", lines[i]))
+    row = next(line for line in lines[head:] if line.startswith(arm + " "))
+    at = re.search(rf"(?<=  ){re.escape(header)}(  |$)", lines[head]).start()
+    return re.split(r"\s{2,}", row[at:])[0]
+
+
+def test_table_fits_120_columns_with_arms_as_rows(run):
+    _, r = run
+    text = report.table(r)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    for ctx in ("16", "96"):
+        title = f"decode at a {ctx}-token context"
+        for arm in r["arms"]:
+            piped = r["decode"][ctx]["arms"][arm]["pipelined"]
+            assert float(_column(lines, title, "tok/s", arm)) == pytest.approx(piped["tokens_per_s"], rel=2e-3)
+            assert float(_column(lines, title, "build", arm)) == pytest.approx(piped["build_ms"]["median"], rel=2e-3)
+            sync = _column(lines, title, "ms/token", arm)
+            assert float(sync.split()[0]) == pytest.approx(r["decode"][ctx]["arms"][arm]["median"], rel=2e-3)
+        assert _column(lines, title, "ms/token", "bench_probe_wrong").endswith("WRONG")
+        for header in ("pipelined ms/token", "async_eval", "wait"):
+            assert _column(lines, title, header, "stock")
+    assert _column(lines, "check vs stock", "verdict", "bench_probe_exact").startswith("ok")
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # matplotlib's "Tight layout not applied": overprinted panels
+def test_from_json_honours_out(run, tmp_path):
+    _, r = run
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(r))
+    out = tmp_path / "elsewhere" / "again.json"
+    assert main(["--from-json", str(saved), "--out", str(out)]) == 0
+    assert (tmp_path / "elsewhere" / "again.png").stat().st_size > 0 and not (tmp_path / "saved.png").exists()
+    assert json.loads(out.read_text())["decode"] == r["decode"]
+    assert main(["--from-json", str(saved)]) == 0  # without --out: beside the saved run, as before
+    assert (tmp_path / "saved.png").exists()
 
 
 def test_graph_count_is_deterministic(run):
@@ -182,6 +248,17 @@ def test_numerics_changing_arm_is_reported_with_its_ratio_unless_tokens_differ()
     assert "differ in decode.16" in differ["verdicts"]["fast"] and not report.is_valid(differ, "fast")
 
 
+def test_an_exact_arm_whose_pipelined_tokens_differ_is_wrong():
+    check = {"outputs_bitwise": True, "final_state_bitwise": True, "max_abs_diff": 0.0, "tokens_match": True,
+             "timed_tokens_match": True, "pipelined_tokens_match": False}
+    r = {"arms": {"stock": {}, "fast": {"numerics": "exact", "patches": ["x"], "applied": True,
+                                        "counters": {"x.hits.call": 1}}},
+         "correctness": {"fast": {"decode.16": check}}}
+    assert report.verdicts(r)["fast"] == "WRONG: differs from stock in decode.16"
+    check["pipelined_tokens_match"] = True
+    assert report.verdicts(r)["fast"] == "ok (bit-identical)"
+
+
 def test_all_arm_is_what_glm53_patches_all_turns_on():
     from glm53_patches.bench import measure
 
@@ -241,11 +318,114 @@ def test_prefill_untimed_stock_is_only_the_checks_reference(tmp_path, capsys):
     assert entry["arms"]["bench_probe_wrong"]["ratio_vs_first_arm"] > 0 and entry["rounds"] == 2
     assert entry["check"]["bench_probe_exact"]["outputs_bitwise"]
     assert not entry["check"]["bench_probe_wrong"]["outputs_bitwise"]
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill 12 tok/s"))
-    assert row.count("untimed") == 1 and row.count("x vs first") == 1  # stock; the second exact arm
+    lines = capsys.readouterr().out.splitlines()
+    cells = {arm: _column(lines, "prefill, tokens/s", "12", arm) for arm in r["arms"]}
+    assert cells["stock"] == "untimed" and cells["bench_probe_exact"].endswith("]")
+    assert cells["bench_probe_also_exact"].endswith("x vs first") and cells["bench_probe_wrong"].endswith("WRONG")
     assert (tmp_path / "untimed.png").exists()
 
 
 def test_prefill_untimed_stock_alone_is_refused(capsys):
     assert main(["--small", "--arms", "stock", "--sections", "prefill", "--prefill-untimed-stock", "--quiet"]) == 2
     assert "--prefill-untimed-stock needs an arm besides stock" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from glm53_patches.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("checkpoint") / "tiny-glm", quantize_bits=4)
+
+
+def test_model_runs_the_users_checkpoint_and_writes_a_report(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """--model DIR: the checkpoint loaded as mlx-vlm loads it, stock vs patched interleaved
+    with the check; --report is a Markdown file with the machine, versions, arms, figures."""
+    import importlib.metadata
+    import platform
+
+    from mlx_vlm.utils import load_model
+
+    saved = registry._extra_plugins, registry._plugins
+    registry._extra_plugins, registry._plugins = [], None
+    registry.register_plugin(_Plugin(_patch("bench_probe_exact"), _patch("bench_probe_wrong", scale=3.0)))
+    out, shared = tmp_path / "mine.json", tmp_path / "share" / "report.md"
+    monkeypatch.setenv("HOME", str(tiny_checkpoint.parent))  # the report names no home folder
+    try:
+        code = main(["--model", str(tiny_checkpoint), "--arms", "stock,bench_probe_exact,bench_probe_wrong",
+                     "--sections", "decode,prefill", "--contexts", "16", "--prefill", "8", "--rounds", "2",
+                     "--steps", "2", "--warmup", "1", "--check-steps", "2", "--no-png", "--quiet",
+                     "--out", str(out), "--report", str(shared)])
+    finally:
+        registry.revert()
+        registry._extra_plugins, registry._plugins = saved
+    r = json.loads(out.read_text())
+    assert code == 1 and r["verdicts"]["bench_probe_wrong"].startswith("WRONG")
+    assert r["verdicts"]["bench_probe_exact"].startswith("ok")
+    assert r["model"]["preset"] == "checkpoint" and r["model"]["checkpoint"] == "tiny-glm"
+    assert (r["model"]["layers"], r["model"]["experts"], r["model"]["dtype"]) == (8, 8, "float32")
+    assert r["model"]["quantization"]["bits"] == 4
+    for arm in ("stock", "bench_probe_exact"):
+        entry = r["decode"]["16"]["arms"][arm]
+        assert entry["median"] > 0 and entry["pipelined"]["tokens_per_s"] > 0
+        assert r["prefill"]["8"]["arms"][arm]["tokens_per_s"] > 0
+    # the bench prefilled the checkpoint's own weights: stock's token is the one a separate load gives
+    model = load_model(tiny_checkpoint).language_model
+    prompt = mx.random.randint(0, model.config.vocab_size, (1, 8), key=mx.random.key(8))
+    expected = mx.argmax(model(prompt, cache=model.make_cache()).logits[:, -1], axis=-1).item()
+    assert r["correctness"]["bench_probe_exact"]["prefill.8"]["stock_tokens"] == [expected]
+    printed = capsys.readouterr().out
+    assert "pipelined ms/token" in printed and f"wrote {shared}" in printed
+    text = shared.read_text()
+    for fact in (platform.platform(), platform.python_version(), importlib.metadata.version("mlx"),
+                 importlib.metadata.version("mlx-vlm"), "`tiny-glm`", "bench_probe_exact", "bench_probe_wrong",
+                 r["verdicts"]["bench_probe_wrong"], "pipelined ms/token"):
+        assert fact in text
+    assert "--model ~/tiny-glm " in text and str(tiny_checkpoint.parent) not in text
+    data = json.loads(text.split("```json\n")[1].split("```")[0])
+    assert data["arms"]["bench_probe_wrong"]["verdict"].startswith("WRONG")
+    assert all(data["checks_passed"]["bench_probe_exact"].values())
+    assert not all(data["checks_passed"]["bench_probe_wrong"].values())
+    assert data["decode"]["16"]["stock"]["pipelined"]["tokens_per_s"] > 0
+    assert data["prefill"]["8"]["bench_probe_exact"]["tokens_per_s"] > 0
+
+
+def _write(folder, config):
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    return folder
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "no such folder"),
+    ("empty", "no config.json"),
+    ("garbled", "config.json is unreadable"),
+    ("llama", "model_type is 'llama', not 'glm5_next'"),
+    ("no weights", "no *.safetensors weights in it"),
+    ("broken weights", "mlx-vlm could not load it"),
+])
+def test_a_bad_model_folder_is_one_line(case, expected, tmp_path, capsys):
+    folder = tmp_path / case
+    if case == "empty":
+        _write(folder, None)
+    elif case == "garbled":
+        _write(folder, "{not json")
+    elif case == "llama":
+        _write(folder, json.dumps({"model_type": "llama"}))
+    elif case in ("no weights", "broken weights"):
+        from glm53_patches.tiny_model import tiny_config
+
+        _write(folder, json.dumps(tiny_config()))
+        if case == "broken weights":
+            (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["--model", str(folder), "--sections", "decode", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"glm53-patches bench: --model {folder}: {expected}")
+    assert "Traceback" not in err and not (tmp_path / "x.json").exists()
+    if case != "broken weights":  # refused before anything runs; a load that fails follows its progress line
+        assert err.count("\n") == 1
+
+
+def test_model_with_synthetic_options_is_refused(tiny_checkpoint, capsys):
+    assert main(["--model", str(tiny_checkpoint), "--small", "--layers", "4"]) == 2
+    assert capsys.readouterr().err == "glm53-patches bench: --model DIR runs the checkpoint as it is: drop --small, --layers\n"
