@@ -57,6 +57,9 @@ class Patch:
     # On a target it shares with these patches, this one is called first (it wraps theirs and hands
     # them what it does not take), whatever the order in which they were applied.
     runs_before: Tuple[str, ...] = ()
+    # Modules (or packages) outside its own folder whose code it runs: with its folder they make the
+    # code digest a `verify` record is keyed by, so an edit there voids the record (and nothing else does).
+    uses: Tuple[str, ...] = ()
     on_revert: Optional[Callable[[], None]] = None  # drop compiled functions and state
     # Exactness check run by `glm53-patches verify` on this machine's backend:
     # () -> {"exact": bool, "max_abs_diff": float, "cases": int, "detail": str}
@@ -84,6 +87,23 @@ class Patch:
         if spec is None or spec.origin is None:
             raise LookupError(f"patch {self.name!r}: cannot locate its module {self.package!r}")
         return Path(spec.origin).parent
+
+    def source_files(self):
+        """(label, path) of every Python file of its folder and of what it `uses`, sorted by label."""
+        files = {}
+        roots = [(self.package, self.folder(), True)]
+        for module in self.uses:
+            spec = importlib.util.find_spec(module)
+            if spec is None or spec.origin is None:
+                raise LookupError(f"patch {self.name!r} uses {module!r}, which cannot be found")
+            roots.append((module, Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin),
+                          bool(spec.submodule_search_locations)))
+        for label, root, is_folder in roots:
+            for path in sorted(root.rglob("*.py")) if is_folder else [root]:
+                if "__pycache__" not in path.parts:
+                    relative = path.relative_to(root).as_posix() if is_folder else path.name
+                    files[f"{label}:{relative}"] = path
+        return sorted(files.items())
 
     def fingerprints_path(self) -> Path:
         return Path(self.fingerprints_file) if self.fingerprints_file else self.folder() / "fingerprints.json"  # drift.FILE_NAME

@@ -1,7 +1,8 @@
 """Which (patch, backend, mlx, mlx-vlm, patch code) combinations passed `verify` on this machine.
 
-The code digest covers the patch's folder and the shared kernels: a record
-made for an older kernel does not admit a changed one to ``all``.
+The code digest covers the patch's folder and the modules it declares it
+``uses``: a record made for older code does not admit changed code to
+``all``, and an edit elsewhere voids no record.
 """
 
 import functools
@@ -17,20 +18,29 @@ from filelock import FileLock
 from . import config
 from .log import once
 
-_PACKAGE = Path(__file__).parent
-
-
 def _path():
     return config.state_dir() / "verified.json"
 
 
-@functools.lru_cache(maxsize=None)
-def code_digest(patch: str) -> str:
-    """SHA-256 (12 hex digits) of the patch folder's and glm53_patches/kernels' Python sources."""
+def code_digest(patch) -> str:
+    """SHA-256 (12 hex digits) of the patch's folder and of what it declares it `uses` (Patch.source_files)."""
+    if isinstance(patch, str):
+        from . import registry
+
+        patch = registry.available()[patch]
+    files = []
+    for label, path in patch.source_files():
+        info = path.stat()
+        files.append((label, str(path), info.st_mtime_ns, info.st_size))
+    return _digest(tuple(files))
+
+
+@functools.lru_cache(maxsize=256)
+def _digest(files) -> str:
+    """Keyed by each file's stat, so an edited file is hashed again."""
     digest = hashlib.sha256()
-    for folder in (_PACKAGE / "patches" / patch, _PACKAGE / "kernels"):
-        for source in sorted(folder.glob("*.py")):
-            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    for label, path, _, _ in files:
+        digest.update(label.encode() + b"\0" + Path(path).read_bytes())
     return digest.hexdigest()[:12]
 
 

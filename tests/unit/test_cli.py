@@ -66,12 +66,12 @@ def test_tiny_model_command_writes_a_loadable_checkpoint(tmp_path):
 def test_parallel_verify_runs_keep_every_record(tmp_path):
     """Processes recording at once (verify runs in parallel, one patch each) lose none of their records."""
     writer = ("import sys; from glm53_patches import verify_records\n"
-              "for k in range(25): verify_records.record(f'p{sys.argv[1]}-{k}', 'cpu', {'passed': True})\n")
+              "for k in range(25): verify_records.record('hc_decode', f'b{sys.argv[1]}-{k}', {'passed': True})\n")
     processes = [subprocess.Popen([sys.executable, "-c", writer, str(i)], env=dict(os.environ)) for i in range(6)]
     assert [p.wait(timeout=300) for p in processes] == [0] * 6
     records = verify_records.load()
     assert len(records) == 6 * 25
-    assert all(verify_records.passed(f"p{i}-{k}", "cpu") for i in range(6) for k in range(25))
+    assert all(verify_records.passed("hc_decode", f"b{i}-{k}") for i in range(6) for k in range(25))
 
 
 def test_the_state_folder_is_private(tmp_path):
