@@ -30,11 +30,22 @@ def token_ids(seed, n):
     return [int(t) for t in np.random.default_rng(seed).integers(20, 500, n)]
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_fp32_dir, tiny_q4_dir):
+def load_observed(directory):
+    """`mlx_vlm.load` with the vault applied, so that it sees what the load reads."""
     from mlx_vlm import load
 
-    return {"fp32": load(str(tiny_fp32_dir)), "q4": load(str(tiny_q4_dir))}
+    was_applied = NAME in registry.applied()
+    registry.apply([NAME], strict=True)
+    try:
+        return load(str(directory))
+    finally:
+        if not was_applied:
+            registry.revert([NAME])
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_fp32_dir, tiny_q4_dir):
+    return {"fp32": load_observed(tiny_fp32_dir), "q4": load_observed(tiny_q4_dir)}
 
 
 @pytest.fixture

@@ -11,6 +11,10 @@ checks a backend). ``APCCoordinator.checkpoint_lengths`` therefore drops
 checkpoints that would create such short chunks, and a restore is accepted
 only where the warm run's short chunks are exactly the cold run's.
 
+Weights: ``LanguageModel.sanitize`` records each glm5_next load (``keying.observe_load``);
+the fingerprint is taken at the first request only if the files are still the ones
+that load read.
+
 Scope of one request: ``APCCoordinator.lookup`` binds the model's vault
 context to the calling thread; the SSD-tier reads beneath it
 (``DiskBlockStore.find_exact_prefix`` / ``_load_exact_cache_file``) see it
@@ -42,7 +46,7 @@ _STALE_TMP_S = 24 * 3600
 
 _local = threading.local()
 _lock = threading.RLock()
-_pending: "OrderedDict[int, tuple]" = OrderedDict()  # entry key -> (fingerprint, persistent, harvest)
+_pending: "OrderedDict[int, tuple]" = OrderedDict()  # entry key -> (fingerprint, persistent, harvest, origin)
 _PENDING_MAX = 4096
 _stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DiskBlockStore -> state
 _said = set()  # log lines already written once
@@ -86,6 +90,40 @@ def harvest_policy():
     return value
 
 
+def _parse_gb(value):
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0 or gb == float("inf"):
+        raise ValueError("accepted: a number of GiB >= 0 (0: no bound across namespaces)")
+    return gb
+
+
+def vault_budget(store):
+    """GLM53_VAULT_CACHE_MAX_GB in bytes (default: APC_DISK_MAX_GB, the store's own cap); None: unbounded."""
+    default = store.max_bytes / (1 << 30) if store.max_bytes else 0.0
+    value, error = config.knob(NAME, "max_gb", _parse_gb, default)
+    if error:
+        _once(("knob", error), logging.ERROR, f"{error}; using {default:g}")
+    return int(value * (1 << 30)) or None
+
+
+# -- the load ------------------------------------------------------------------------
+
+
+def sanitize(original):
+    @functools.wraps(original)
+    def sanitize(self, weights):
+        try:
+            keying.observe_load(self)
+        except Exception as exc:  # never break a load: an unrecorded load only loses the disk tier
+            _once(("observe", repr(exc)), logging.ERROR, f"vault_cache: could not record this load ({exc!r})")
+        return original(self, weights)
+
+    return sanitize
+
+
 def _context_of(model):
     language_model = keying.glm5_language_model(model)
     return keying.known_context(language_model) if language_model is not None else None
@@ -106,7 +144,7 @@ def model_key_dependencies(original):
         if language_model is None:
             return deps
         try:
-            context = keying.context_for(language_model, processor, _stats())
+            context = keying.context_for(language_model, _stats())
             salt = context.salt()
         except Exception as exc:  # fail closed: a key nobody else can produce
             _stats().fallback("error:fingerprint")
@@ -365,7 +403,7 @@ def store_checkpoint(original):
 
             key = apc._sequence_hash(tuple(int(t) for t in token_ids), extra_hash, self.manager.block_size)
             with _lock:
-                _pending[int(key)] = (context.fingerprint(), context.persistent, shape)
+                _pending[int(key)] = (context.fingerprint(), context.persistent, shape, context.origin())
                 _pending.move_to_end(int(key))
                 while len(_pending) > _PENDING_MAX:
                     _pending.popitem(last=False)
@@ -388,6 +426,7 @@ def _prepare(store):
 
     directory = Path(store.dir)
     try:
+        _private_root(directory.parent)
         sealed.private_dir(directory)
         temporary = sealed.private_dir(directory / sealed.TMP_DIR)
         removed = _remove_stale_temporaries(temporary)
@@ -400,6 +439,18 @@ def _prepare(store):
     log.info(f"vault_cache: vault at {directory} ({len(entries)} entries, {size / 1e6:.1f} MB, budget {cap}"
              + (f"; removed {removed} unfinished writes" if removed else "") + ")")
     return state
+
+
+def _private_root(root: Path):
+    """APC's root folder (APC_DISK_PATH), made 0o700 like the namespaces: stock APC creates it
+    with the umask's mode before the vault runs. Left alone unless it is ours and holds only
+    folders (APC's layout), so that a folder someone pointed APC_DISK_PATH at keeps its mode."""
+    from . import sealed
+
+    stat = root.stat()
+    if stat.st_mode & 0o077 and stat.st_uid == os.getuid() and all(p.is_dir() for p in root.iterdir()):
+        sealed.private_dir(root)
+        log.info(f"vault_cache: made {root} private (0o700)")
 
 
 def _size(path):
@@ -474,7 +525,9 @@ def find_exact_prefix(original):
         scope = getattr(_local, "scope", None)
         if scope is None:
             return original(self, token_ids, *args, **kwargs)
-        _refresh(self, _prepare(self))
+        state = _prepare(self)
+        _drop_stale(self, state, scope.context)
+        _refresh(self, state)
         while True:  # the longest stored prefix whose restore keeps warm == cold
             found = original(self, token_ids, *args, **kwargs)
             if found is None or scope.acceptable(found[1]):
@@ -485,6 +538,60 @@ def find_exact_prefix(original):
             kwargs["max_prefix_tokens"] = found[1] - 1
 
     return find_exact_prefix
+
+
+def _forget_files(store, removed):
+    """Keep a store's index and byte count true after entries were deleted under it."""
+    for entry in removed:
+        if entry.path.parent == Path(store.dir):
+            store._drop_index_for_path(entry.path)
+            store._disk_bytes = max(0, store._disk_bytes - entry.size)
+
+
+def _drop_stale(store, state, context):
+    """Once per store and weights: delete this namespace's entries of the same model directory
+    sealed under other weights. They can never hit again: this process pinned the files there
+    now, and the key of those entries named other content."""
+    if not context.persistent:
+        return
+    done = state.setdefault("stale_checked", set())
+    if (context.directory, context.weights) in done:
+        return
+    done.add((context.directory, context.weights))
+    from . import inventory
+
+    removed = inventory.remove(inventory.stale_entries(Path(store.dir), context.directory, context.weights))
+    if not removed:
+        return
+    _forget_files(store, removed)
+    stats = _stats()
+    for entry in removed:
+        stats.hit("pruned")
+        stats.add_bytes("pruned", entry.size)
+    log.info(f"vault_cache: removed {len(removed)} entries of earlier weights in {context.directory} "
+             f"({sum(e.size for e in removed) / 1e6:.1f} MB)")
+
+
+def _keep_budget(store, written):
+    """After a write: LRU eviction across every namespace of the APC root (APC's own cap
+    covers one namespace, so namespaces no server uses any more were never evicted)."""
+    from . import inventory
+
+    budget = vault_budget(store)
+    if budget is None:
+        return
+    removed = inventory.evict_lru(Path(store.dir).parent, budget, keep={Path(written)},
+                                  low_watermark=store._EVICT_LOW_WATERMARK)
+    if not removed:
+        return
+    _forget_files(store, removed)
+    stats = _stats()
+    for entry in removed:
+        stats.hit("evicted")
+        stats.add_bytes("evicted", entry.size)
+    log.info(f"vault_cache: evicted {len(removed)} least recently used entries "
+             f"({sum(e.size for e in removed) / 1e6:.1f} MB) to keep the vault under "
+             f"{budget / (1 << 30):.3g} GiB (GLM53_VAULT_CACHE_MAX_GB)")
 
 
 def _take_pending(cache_hash):
@@ -500,7 +607,7 @@ def write_exact_cache_snapshot(original):
             return original(self, path, snapshot)
         from . import sealed
 
-        fingerprint, persistent, shape = pending
+        fingerprint, persistent, shape, origin = pending
         stats = _stats()
         if not persistent:
             stats.fallback("skipped:memory-only")
@@ -517,12 +624,13 @@ def write_exact_cache_snapshot(original):
 
         try:
             written = sealed.write_exact_cache_snapshot(self, Path(path), snapshot, fingerprint=fingerprint,
-                                                        harvest=shape, report=report)
+                                                        harvest=shape, origin=origin, report=report)
         except Exception:
             stats.fallback("error:write")
             raise
         if written is None:  # not a glm5_next cache after all
             return original(self, path, snapshot)
+        _keep_budget(self, path)
         stats.set_bytes("on_disk", self._disk_bytes)
         return written
 
