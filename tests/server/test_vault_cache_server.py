@@ -118,6 +118,7 @@ def test_warm_and_restarted_answers_are_the_cold_answers(server_factory, tiny_q4
     assert published["patches"][NAME]["detail"].startswith(f"hits disk {len(PROMPTS)}, memory 0; misses 0;")
     assert published["patches"][NAME]["stats"]["bytes"]["on_disk"] >= stats_second["bytes"]["read"]
 
+    assert stat.S_IMODE(vault.stat().st_mode) == 0o700  # APC's root, created by stock APC with the umask's mode
     assert stat.S_IMODE(namespace(vault).stat().st_mode) == 0o700
     assert stat.S_IMODE((namespace(vault) / ".vault-tmp").stat().st_mode) == 0o700
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in entries(vault))

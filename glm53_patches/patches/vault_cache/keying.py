@@ -350,7 +350,7 @@ def context_for(language_model, stats=None) -> VaultContext:
             else:
                 problem = _unpinned(load)  # files changed while they were hashed
         if problem is not None:
-            weights = None
+            weights = summary = None
             where = load.directory if load is not None else "a model"
             log.warning(f"vault_cache: no disk vault for {where}: {problem[1]}; its prefix cache stays "
                         "in this process's memory (nothing read from or written to disk)")
