@@ -446,3 +446,55 @@ def test_the_apc_root_is_made_private_unless_it_holds_other_files(loaded, vault,
         generate(model, processor, ids, vault(root))
         assert stat.S_IMODE(root.stat().st_mode) == (0o755 if other_file else 0o700), name
         assert all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in root.iterdir() if p.is_dir())
+
+
+def vault_cli(*args):
+    done = subprocess.run([sys.executable, "-m", "glm53_patches.cli", "vault", *map(str, args)],
+                          capture_output=True, text=True)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_vault_list_and_prune(vault, tmp_path):
+    from mlx_vlm import load
+
+    model_dir = write_tiny_model(tmp_path / "model", seed=0)
+    replacement = write_tiny_model(tmp_path / "replacement", seed=1)
+    other_dir = write_tiny_model(tmp_path / "other", seed=2)
+    (model, processor), (other, _) = load(str(model_dir)), load(str(other_dir))
+    shared, prompts = tmp_path / "vault", [token_ids(90 + i, 30) for i in range(3)]
+    generate(model, processor, prompts[0], vault(shared))
+    for ids in prompts[:2]:
+        generate(other, processor, ids, vault(shared, namespace="other"))
+    made = sealed_by_model(shared)
+    (stale,), (unused, used) = made[str(model_dir.resolve())], made[str(other_dir.resolve())]  # in name order
+    replace_weights(model_dir, replacement)  # its entry can never hit again
+
+    rc, out, _ = vault_cli("list", "--apc-dir", shared, "--json")
+    rows = {row["path"]: row for row in json.loads(out)["entries"]}
+    assert rc == 0 and set(rows) == {str(stale), str(unused), str(used)}
+    assert [rows[str(p)]["weights"] for p in (stale, unused, used)] == ["not hashed", "current", "current"]  # list never hashes
+    assert rows[str(stale)]["tokens"] == len(prompts[0]) - 1 and rows[str(unused)]["bytes"] == unused.stat().st_size
+    rc, out, _ = vault_cli("list", "--apc-dir", shared)
+    assert rc == 0 and out.startswith(f"{shared}: 3 sealed entries") and all(p.name in out for p in (stale, unused, used))
+
+    # A bad argument: one line that says what is accepted, and nothing removed.
+    for args in (["--older-than", "7x"], ["--max-gb", "-1"], [], ["--stale", "--apc-dir", tmp_path / "absent"]):
+        rc, out, err = vault_cli("prune", *(["--apc-dir", shared] if "--apc-dir" not in args else []), *args)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("glm53-patches vault: "), args
+    assert all(p.exists() for p in (stale, unused, used))
+
+    rc, out, _ = vault_cli("prune", "--apc-dir", shared, "--stale", "--dry-run")
+    assert rc == 0 and [line.split(" (")[0] for line in out.splitlines()[:-1]] == [f"would remove default/{stale.name}"]
+    assert stale.exists()
+    rc, out, _ = vault_cli("prune", "--apc-dir", shared, "--stale")
+    assert rc == 0 and "removed 1 entries" in out and not stale.exists() and unused.exists() and used.exists()
+
+    long_ago = time.time() - 3 * 86400
+    os.utime(unused, (long_ago, long_ago))
+    rc, out, _ = vault_cli("prune", "--apc-dir", shared, "--older-than", "2d")
+    assert rc == 0 and "removed 1 entries" in out and not unused.exists() and used.exists()
+
+    generate(other, processor, prompts[2], vault(shared, namespace="other"))
+    (latest,) = set(shared.rglob("exact_*.safetensors")) - {used}
+    rc, out, _ = vault_cli("prune", "--apc-dir", shared, "--max-gb", 1.5 * used.stat().st_size / (1 << 30))
+    assert rc == 0 and not used.exists() and latest.exists()  # the least recently used one went
