@@ -90,20 +90,12 @@ def harvest_policy():
     return value
 
 
-def _parse_gb(value):
-    try:
-        gb = float(value)
-    except ValueError:
-        gb = -1.0
-    if not gb >= 0 or gb == float("inf"):
-        raise ValueError("accepted: a number of GiB >= 0 (0: no bound across namespaces)")
-    return gb
-
-
 def vault_budget(store):
     """GLM53_VAULT_CACHE_MAX_GB in bytes (default: APC_DISK_MAX_GB, the store's own cap); None: unbounded."""
+    from .inventory import parse_gib
+
     default = store.max_bytes / (1 << 30) if store.max_bytes else 0.0
-    value, error = config.knob(NAME, "max_gb", _parse_gb, default)
+    value, error = config.knob(NAME, "max_gb", parse_gib, default)
     if error:
         _once(("knob", error), logging.ERROR, f"{error}; using {default:g}")
     return int(value * (1 << 30)) or None
@@ -436,6 +428,8 @@ def _prepare(store):
     entries = list(directory.glob(f"{store.EXACT_PREFIX}*{store.SUFFIX}"))
     size = sum(_size(p) for p in entries)
     cap = f"{store.max_bytes / (1 << 30):.3g} GiB (APC_DISK_MAX_GB)" if store.max_bytes else "uncapped"
+    budget = vault_budget(store)
+    cap += f", all namespaces {budget / (1 << 30):.3g} GiB (GLM53_VAULT_CACHE_MAX_GB)" if budget else ""
     log.info(f"vault_cache: vault at {directory} ({len(entries)} entries, {size / 1e6:.1f} MB, budget {cap}"
              + (f"; removed {removed} unfinished writes" if removed else "") + ")")
     return state
@@ -540,12 +534,16 @@ def find_exact_prefix(original):
     return find_exact_prefix
 
 
-def _forget_files(store, removed):
-    """Keep a store's index and byte count true after entries were deleted under it."""
+def _account(store, removed, counter):
+    """After entries were deleted: the store's index and byte count, the counters; their bytes."""
+    stats = _stats()
     for entry in removed:
         if entry.path.parent == Path(store.dir):
             store._drop_index_for_path(entry.path)
             store._disk_bytes = max(0, store._disk_bytes - entry.size)
+        stats.hit(counter)
+        stats.add_bytes(counter, entry.size)
+    return sum(entry.size for entry in removed)
 
 
 def _drop_stale(store, state, context):
@@ -561,15 +559,10 @@ def _drop_stale(store, state, context):
     from . import inventory
 
     removed = inventory.remove(inventory.stale_entries(Path(store.dir), context.directory, context.weights))
-    if not removed:
-        return
-    _forget_files(store, removed)
-    stats = _stats()
-    for entry in removed:
-        stats.hit("pruned")
-        stats.add_bytes("pruned", entry.size)
-    log.info(f"vault_cache: removed {len(removed)} entries of earlier weights in {context.directory} "
-             f"({sum(e.size for e in removed) / 1e6:.1f} MB)")
+    if removed:
+        size = _account(store, removed, "pruned")
+        log.info(f"vault_cache: removed {len(removed)} entries of earlier weights in {context.directory} "
+                 f"({size / 1e6:.1f} MB)")
 
 
 def _keep_budget(store, written):
@@ -582,16 +575,10 @@ def _keep_budget(store, written):
         return
     removed = inventory.evict_lru(Path(store.dir).parent, budget, keep={Path(written)},
                                   low_watermark=store._EVICT_LOW_WATERMARK)
-    if not removed:
-        return
-    _forget_files(store, removed)
-    stats = _stats()
-    for entry in removed:
-        stats.hit("evicted")
-        stats.add_bytes("evicted", entry.size)
-    log.info(f"vault_cache: evicted {len(removed)} least recently used entries "
-             f"({sum(e.size for e in removed) / 1e6:.1f} MB) to keep the vault under "
-             f"{budget / (1 << 30):.3g} GiB (GLM53_VAULT_CACHE_MAX_GB)")
+    if removed:
+        size = _account(store, removed, "evicted")
+        log.info(f"vault_cache: evicted {len(removed)} least recently used entries ({size / 1e6:.1f} MB) "
+                 f"to keep the vault under {budget / (1 << 30):.3g} GiB (GLM53_VAULT_CACHE_MAX_GB)")
 
 
 def _take_pending(cache_hash):
@@ -630,7 +617,10 @@ def write_exact_cache_snapshot(original):
             raise
         if written is None:  # not a glm5_next cache after all
             return original(self, path, snapshot)
-        _keep_budget(self, path)
+        try:
+            _keep_budget(self, path)
+        except OSError as exc:  # the entry is written; the bound is kept at the next write
+            _once(("budget", repr(exc)), logging.WARNING, f"vault_cache: could not keep the vault's bound ({exc!r})")
         stats.set_bytes("on_disk", self._disk_bytes)
         return written
 

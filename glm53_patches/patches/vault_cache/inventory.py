@@ -164,14 +164,22 @@ def _age(value) -> float:
     return seconds
 
 
+def parse_gib(value) -> float:
+    """A size in GiB, >= 0 (GLM53_VAULT_CACHE_MAX_GB, --max-gb)."""
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not 0 <= gib < float("inf"):
+        raise ValueError("accepted: a number of GiB >= 0")
+    return gib
+
+
 def _gb(value) -> int:
     try:
-        gb = float(value)
-    except ValueError:
-        gb = -1.0
-    if not 0 <= gb < float("inf"):
-        raise _Bad(f"--max-gb {value!r} is not valid; accepted: a number of GiB >= 0")
-    return int(gb * (1 << 30))
+        return int(parse_gib(value) * (1 << 30))
+    except ValueError as exc:
+        raise _Bad(f"--max-gb {value!r} is not valid; {exc}") from None
 
 
 def _root(args) -> Path:

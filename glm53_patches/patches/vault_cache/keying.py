@@ -17,8 +17,8 @@ files and before any tensor is read): it records the model directory and the
 stat of its files. At the first request the files must still have that stat,
 before and after they are hashed; a stat unchanged since the load pins the
 content, so the digests may be taken then (and remembered). A model whose files
-changed, whose load was lazy or not seen, or that has no directory gets a
-per-process nonce instead: its entries live in memory only, nothing is read
+changed (after or during its load, or while they were hashed), whose load was
+lazy, offloaded or not seen gets a per-process nonce instead: its entries live in memory only, nothing is read
 from or written to disk, and the reason is logged once and shown by `status`.
 """
 
@@ -229,6 +229,8 @@ def observe_load(language_model):
         return None  # not loaded by mlx_vlm.utils.load_model: nothing is known of it
     found = frame.f_locals
     del frame
+    if found.get("model_path") is None:
+        return None
     directory = Path(found["model_path"])
     loaded = [Path(p) for p in found.get("weight_files") or ()]
     problem = None
