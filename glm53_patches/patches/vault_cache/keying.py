@@ -244,6 +244,8 @@ def observe_load(language_model):
         problem = ("offload", "its experts are read from disk while it runs (offload_index.json)")
     load = Load(directory, _file_stats(directory, loaded), problem)
     with _lock:
+        for key in [key for key, (ref, _) in _loads.items() if ref() is None]:
+            del _loads[key]  # models since freed (load_model also sanitizes with a throwaway one)
         _loads[id(language_model)] = (weakref.ref(language_model), load)
     return load
 
