@@ -250,6 +250,9 @@ def main(argv=None):
     verify.set_defaults(run=cmd_verify)
     bench.add_parser(commands)
     stage.add_parser(commands)
+    from .patches.vault_cache import inventory  # `vault list|prune`, vault_cache's entries on disk
+
+    inventory.add_parser(commands)
     tiny = commands.add_parser("tiny-model", help="write a small random-weight glm5_next checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None)

@@ -86,6 +86,18 @@ def integer(minimum: int = 1, maximum: Optional[int] = None, what: str = "", doc
     return Knob(parse, f"a whole number{' of ' + what if what else ''}, {bound}", doc)
 
 
+def number(minimum: float = 0.0, what: str = "", doc: str = "") -> Knob:
+    """A finite number >= minimum."""
+
+    def parse(text):
+        value = float(text)  # ValueError for a non-number
+        if not minimum <= value < float("inf"):
+            raise ValueError(text)
+        return value
+
+    return Knob(parse, f"a number{' of ' + what if what else ''}, {minimum:g} or more", doc)
+
+
 def choice(*values, doc: str = "") -> Knob:
     """One of ``values`` (strings compare lowercased; integers by value)."""
 

@@ -118,6 +118,7 @@ def test_warm_and_restarted_answers_are_the_cold_answers(server_factory, tiny_q4
     assert published["patches"][NAME]["detail"].startswith(f"hits disk {len(PROMPTS)}, memory 0; misses 0;")
     assert published["patches"][NAME]["stats"]["bytes"]["on_disk"] >= stats_second["bytes"]["read"]
 
+    assert stat.S_IMODE(vault.stat().st_mode) == 0o700  # APC's root, created by stock APC with the umask's mode
     assert stat.S_IMODE(namespace(vault).stat().st_mode) == 0o700
     assert stat.S_IMODE((namespace(vault) / ".vault-tmp").stat().st_mode) == 0o700
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in entries(vault))
@@ -151,6 +152,45 @@ def test_weights_replaced_in_place_are_never_served_stale(server_factory, tmp_pa
     assert new_text == reference_text != old_text
     assert again_text == new_text and cached(new_warm) > 0
     assert not [r for r in stats["fallbacks"] if r.startswith("refused")]
+
+
+def test_weights_replaced_after_loading_keep_that_server_off_the_vault(server_factory, tmp_path):
+    """Issue 21, item 1: a server whose files change after it loaded them must not seal
+    the state it computes (from the old weights) under the new files' fingerprint."""
+    model = write_tiny_model(tmp_path / "model", quantize_bits=4, seed=0)  # weights A
+    replacement = write_tiny_model(tmp_path / "replacement", quantize_bits=4, seed=1)  # weights B
+    vault = tmp_path / "vault"
+    with server_factory(model, env=vault_env(vault)) as loaded_a:  # A is in memory now
+        staged = model / ".incoming.safetensors"
+        shutil.copyfile(replacement / "model.safetensors", staged)
+        os.replace(staged, model / "model.safetensors")  # how an update lands: B, atomically
+        first, again = [], []
+        for prompt in PROMPTS:  # twice in a row: APC's memory tier keeps only a few entries
+            first.append(loaded_a.chat(prompt, max_tokens=TOKENS))
+            again.append(loaded_a.chat(prompt, max_tokens=TOKENS))
+        stats_a = status(tmp_path, loaded_a, lambda s: s["fallbacks"].get("skipped:memory-only", 0) >= len(PROMPTS))
+        detail = json.loads((tmp_path / "state" / f"{loaded_a.process.pid}.json").read_text())[
+            "patches"][NAME]["detail"]
+        log_a = loaded_a.log()
+    with server_factory(model, env=vault_env(vault)) as loaded_b:  # B, from the same directory
+        on_b = [loaded_b.chat(p, max_tokens=TOKENS) for p in PROMPTS]
+        stats_b = status(tmp_path, loaded_b, lambda s: s["hits"].get("write", 0) >= len(PROMPTS))
+    with server_factory(replacement) as stock_b:  # B, no cache at all
+        reference = [stock_b.chat(p, max_tokens=TOKENS)[0] for p in PROMPTS]
+
+    # Nothing of A was sealed: the server on B answers exactly as stock B, cold first.
+    assert [text for text, _ in on_b] == reference
+    assert [cached(reply) for _, reply in on_b] == [0] * len(PROMPTS)
+    assert stats_b["hits"]["write"] >= len(PROMPTS) and not stats_b["hits"].get("disk")
+    # The first server kept serving A, from its memory tier only, and said why, once.
+    assert [text for text, _ in first] != reference  # it really was answering from A
+    assert [cached(reply) for _, reply in first] == [0] * len(PROMPTS)
+    assert [text for text, _ in again] == [text for text, _ in first]
+    assert all(cached(reply) > 0 for _, reply in again)
+    assert stats_a["hits"]["memory"] == len(PROMPTS) and "write" not in stats_a["hits"]
+    assert stats_a["fallbacks"]["memory-only:weights-changed"] == 1
+    assert "disk tier off" in detail and "changed since this process loaded them" in detail
+    assert len([line for line in log_a.splitlines() if "changed since this process loaded them" in line]) == 1
 
 
 def test_corrupted_truncated_swapped_and_foreign_entries_are_refused(server_factory, tiny_q4_dir, tmp_path):

@@ -48,10 +48,11 @@ def _report():
     hits, fallbacks, amounts = snapshot["hits"], snapshot["fallbacks"], snapshot["bytes"]
     refused = ", ".join(f"{k.split(':', 1)[1]}={v}" for k, v in sorted(fallbacks.items()) if k.startswith("refused:"))
     skipped = sum(v for k, v in fallbacks.items() if k.startswith("skipped:"))
+    off = "".join(f"; disk tier off for {where}: {why}" for where, why in sorted(snapshot["notes"].items()))
     return (f"hits disk {hits.get('disk', 0)}, memory {hits.get('memory', 0)}; misses {fallbacks.get('miss', 0)}; "
             f"refused {refused or 'none'}; skipped {skipped}; written {hits.get('write', 0)} entries "
             f"({amounts.get('written', 0) / 1e6:.1f} MB), read {amounts.get('read', 0) / 1e6:.1f} MB, "
-            f"on disk {amounts.get('on_disk', 0) / 1e6:.1f} MB")
+            f"on disk {amounts.get('on_disk', 0) / 1e6:.1f} MB" + off)
 
 
 PATCH = Patch(
@@ -62,6 +63,9 @@ PATCH = Patch(
         "harvested only from solo or equal-suffix prefills. Needs APC_ENABLED=1."
     ),
     targets={
+        # Sees each glm5_next load between mx.load (files opened, nothing read) and the
+        # first read of a tensor: what the weights fingerprint must describe.
+        f"{GLM5_NEXT}:LanguageModel.sanitize": _factory("sanitize"),
         # The key salt: what apc_key_dependencies() on glm5_next's Model and
         # LanguageModel would return, if they defined it.
         f"{_APC}:model_key_dependencies": _factory("model_key_dependencies"),
@@ -99,6 +103,7 @@ PATCH = Patch(
         f"{_STORE}._is_canonical_store_file",
         f"{_STORE}._drop_index_for_path",
         f"{_STORE}._maybe_evict",
+        f"{_STORE}._EVICT_LOW_WATERMARK",  # the vault-wide LRU bound evicts down to it as APC does
         f"{_STORE}._write_payload",
         f"{_STORE}._enqueue_shard",
         f"{_STORE}.load_exact_cache",
@@ -110,6 +115,11 @@ PATCH = Patch(
         "mlx_vlm.generate.ar:generate_step",  # how a prompt is cut into prefill chunks
         "mlx_vlm.generate.ar:PromptProcessingBatch.prompt_step",
         f"{GLM5_NEXT}:Glm5NextAttention._attend",
+        # The load the vault observes: its locals model_path, lazy and weight_files, mx.load
+        # before sanitize, and glm5_next's Model.sanitize handing the weights to the language model.
+        "mlx_vlm.utils:load_model",
+        "mlx_vlm.models.glm5_next.glm5_next:Model.sanitize",
+        f"{_APC}:default_disk_path",  # where `glm53-patches vault` looks by default
     ),
     numerics="exact",
     # No kernels, but "warm equals cold" also needs the backend's prefill to
@@ -124,7 +134,10 @@ PATCH = Patch(
     verify=lazy(f"{__name__}.verify", "verify"),
     report=_report,
     stats=VaultStats(),
-    knobs={"harvest": config.choice("equal", "solo", "any", doc="which prefills are stored: solo or equal-length batches (equal, the default), single requests only, any")},
+    knobs={
+        "harvest": config.choice("equal", "solo", "any", doc="which prefills are stored: solo or equal-length batches (equal, the default), single requests only, any"),
+        "max_gb": config.number(0, what="GiB", doc="the budget over all of APC's namespaces together, least recently used out first (default APC_DISK_MAX_GB; 0: none)"),
+    },
 )
 
 

@@ -11,6 +11,10 @@ checks a backend). ``APCCoordinator.checkpoint_lengths`` therefore drops
 checkpoints that would create such short chunks, and a restore is accepted
 only where the warm run's short chunks are exactly the cold run's.
 
+Weights: ``LanguageModel.sanitize`` records each glm5_next load (``keying.observe_load``);
+the fingerprint is taken at the first request only if the files are still the ones
+that load read.
+
 Scope of one request: ``APCCoordinator.lookup`` binds the model's vault
 context to the calling thread; the SSD-tier reads beneath it
 (``DiskBlockStore.find_exact_prefix`` / ``_load_exact_cache_file``) see it
@@ -30,22 +34,21 @@ from collections import OrderedDict
 from pathlib import Path
 
 from glm53_patches import config
+from glm53_patches.log import once
 
 from . import keying
 
 log = logging.getLogger("glm53_patches.vault_cache")
 
 NAME = "vault_cache"
-POLICIES = ("solo", "equal", "any")
 DEFAULT_POLICY = "equal"
 _STALE_TMP_S = 24 * 3600
 
 _local = threading.local()
 _lock = threading.RLock()
-_pending: "OrderedDict[int, tuple]" = OrderedDict()  # entry key -> (fingerprint, persistent, harvest)
+_pending: "OrderedDict[int, tuple]" = OrderedDict()  # entry key -> (fingerprint, persistent, harvest, origin)
 _PENDING_MAX = 4096
 _stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DiskBlockStore -> state
-_said = set()  # log lines already written once
 
 
 def _stats():
@@ -55,11 +58,7 @@ def _stats():
 
 
 def _once(key, level, message):
-    with _lock:
-        if key in _said:
-            return
-        _said.add(key)
-    log.log(level, message)
+    once(level, message, key=(NAME, key), logger=log)
 
 
 def forget():
@@ -69,23 +68,37 @@ def forget():
         _pending.clear()
         _impure.clear()
         _stores.clear()
-        _said.clear()
 
 
-def _parse_policy(value):
-    value = value.strip().lower()
-    if value not in POLICIES:
-        raise ValueError(f"accepted: {', '.join(POLICIES)}")
-    return value
 
 
 def harvest_policy():
     from . import PATCH
 
-    value, error = config.knob(NAME, "harvest", PATCH.knobs["harvest"], DEFAULT_POLICY)
-    if error:
-        _once(("knob", error), logging.ERROR, f"{error}; using {DEFAULT_POLICY!r}")
-    return value
+    return config.knob_value(NAME, "harvest", PATCH.knobs["harvest"], DEFAULT_POLICY)
+
+
+def vault_budget(store):
+    """GLM53_VAULT_CACHE_MAX_GB in bytes (default: APC_DISK_MAX_GB, the store's own cap); None: unbounded."""
+    from . import PATCH
+
+    default = store.max_bytes / (1 << 30) if store.max_bytes else 0.0
+    return int(config.knob_value(NAME, "max_gb", PATCH.knobs["max_gb"], default) * (1 << 30)) or None
+
+
+# -- the load ------------------------------------------------------------------------
+
+
+def sanitize(original):
+    @functools.wraps(original)
+    def sanitize(self, weights):
+        try:
+            keying.observe_load(self)
+        except Exception as exc:  # never break a load: an unrecorded load only loses the disk tier
+            _once(("observe", repr(exc)), logging.ERROR, f"vault_cache: could not record this load ({exc!r})")
+        return original(self, weights)
+
+    return sanitize
 
 
 def _context_of(model):
@@ -108,7 +121,7 @@ def model_key_dependencies(original):
         if language_model is None:
             return deps
         try:
-            context = keying.context_for(language_model, processor, _stats())
+            context = keying.context_for(language_model, _stats())
             salt = context.salt()
         except Exception as exc:  # fail closed: a key nobody else can produce
             _stats().fallback("error:fingerprint")
@@ -367,7 +380,7 @@ def store_checkpoint(original):
 
             key = apc._sequence_hash(tuple(int(t) for t in token_ids), extra_hash, self.manager.block_size)
             with _lock:
-                _pending[int(key)] = (context.fingerprint(), context.persistent, shape)
+                _pending[int(key)] = (context.fingerprint(), context.persistent, shape, context.origin())
                 _pending.move_to_end(int(key))
                 while len(_pending) > _PENDING_MAX:
                     _pending.popitem(last=False)
@@ -390,6 +403,7 @@ def _prepare(store):
 
     directory = Path(store.dir)
     try:
+        _private_root(directory.parent)
         sealed.private_dir(directory)
         temporary = sealed.private_dir(directory / sealed.TMP_DIR)
         removed = _remove_stale_temporaries(temporary)
@@ -399,9 +413,23 @@ def _prepare(store):
     entries = list(directory.glob(f"{store.EXACT_PREFIX}*{store.SUFFIX}"))
     size = sum(_size(p) for p in entries)
     cap = f"{store.max_bytes / (1 << 30):.3g} GiB (APC_DISK_MAX_GB)" if store.max_bytes else "uncapped"
+    budget = vault_budget(store)
+    cap += f", all namespaces {budget / (1 << 30):.3g} GiB (GLM53_VAULT_CACHE_MAX_GB)" if budget else ""
     log.info(f"vault_cache: vault at {directory} ({len(entries)} entries, {size / 1e6:.1f} MB, budget {cap}"
              + (f"; removed {removed} unfinished writes" if removed else "") + ")")
     return state
+
+
+def _private_root(root: Path):
+    """APC's root folder (APC_DISK_PATH), made 0o700 like the namespaces: stock APC creates it
+    with the umask's mode before the vault runs. Left alone unless it is ours and holds only
+    folders (APC's layout), so that a folder someone pointed APC_DISK_PATH at keeps its mode."""
+    from . import sealed
+
+    stat = root.stat()
+    if stat.st_mode & 0o077 and stat.st_uid == os.getuid() and all(p.is_dir() for p in root.iterdir()):
+        sealed.private_dir(root)
+        log.info(f"vault_cache: made {root} private (0o700)")
 
 
 def _size(path):
@@ -476,7 +504,9 @@ def find_exact_prefix(original):
         scope = getattr(_local, "scope", None)
         if scope is None:
             return original(self, token_ids, *args, **kwargs)
-        _refresh(self, _prepare(self))
+        state = _prepare(self)
+        _drop_stale(self, state, scope.context)
+        _refresh(self, state)
         while True:  # the longest stored prefix whose restore keeps warm == cold
             found = original(self, token_ids, *args, **kwargs)
             if found is None or scope.acceptable(found[1]):
@@ -487,6 +517,53 @@ def find_exact_prefix(original):
             kwargs["max_prefix_tokens"] = found[1] - 1
 
     return find_exact_prefix
+
+
+def _account(store, removed, counter):
+    """After entries were deleted: the store's index and byte count, the counters; their bytes."""
+    stats = _stats()
+    for entry in removed:
+        if entry.path.parent == Path(store.dir):
+            store._drop_index_for_path(entry.path)
+            store._disk_bytes = max(0, store._disk_bytes - entry.size)
+        stats.hit(counter)
+        stats.add_bytes(counter, entry.size)
+    return sum(entry.size for entry in removed)
+
+
+def _drop_stale(store, state, context):
+    """Once per store and weights: delete this namespace's entries of the same model directory
+    sealed under other weights. They can never hit again: this process pinned the files there
+    now, and the key of those entries named other content."""
+    if not context.persistent:
+        return
+    done = state.setdefault("stale_checked", set())
+    if (context.directory, context.weights) in done:
+        return
+    done.add((context.directory, context.weights))
+    from . import inventory
+
+    removed = inventory.remove(inventory.stale_entries(Path(store.dir), context.directory, context.weights))
+    if removed:
+        size = _account(store, removed, "pruned")
+        log.info(f"vault_cache: removed {len(removed)} entries of earlier weights in {context.directory} "
+                 f"({size / 1e6:.1f} MB)")
+
+
+def _keep_budget(store, written):
+    """After a write: LRU eviction across every namespace of the APC root (APC's own cap
+    covers one namespace, so namespaces no server uses any more were never evicted)."""
+    from . import inventory
+
+    budget = vault_budget(store)
+    if budget is None:
+        return
+    removed = inventory.evict_lru(Path(store.dir).parent, budget, keep={Path(written)},
+                                  low_watermark=store._EVICT_LOW_WATERMARK)
+    if removed:
+        size = _account(store, removed, "evicted")
+        log.info(f"vault_cache: evicted {len(removed)} least recently used entries ({size / 1e6:.1f} MB) "
+                 f"to keep the vault under {budget / (1 << 30):.3g} GiB (GLM53_VAULT_CACHE_MAX_GB)")
 
 
 def _take_pending(cache_hash):
@@ -502,7 +579,7 @@ def write_exact_cache_snapshot(original):
             return original(self, path, snapshot)
         from . import sealed
 
-        fingerprint, persistent, shape = pending
+        fingerprint, persistent, shape, origin = pending
         stats = _stats()
         if not persistent:
             stats.fallback("skipped:memory-only")
@@ -519,12 +596,16 @@ def write_exact_cache_snapshot(original):
 
         try:
             written = sealed.write_exact_cache_snapshot(self, Path(path), snapshot, fingerprint=fingerprint,
-                                                        harvest=shape, report=report)
+                                                        harvest=shape, origin=origin, report=report)
         except Exception:
             stats.fallback("error:write")
             raise
         if written is None:  # not a glm5_next cache after all
             return original(self, path, snapshot)
+        try:
+            _keep_budget(self, path)
+        except OSError as exc:  # the entry is written; the bound is kept at the next write
+            _once(("budget", repr(exc)), logging.WARNING, f"vault_cache: could not keep the vault's bound ({exc!r})")
         stats.set_bytes("on_disk", self._disk_bytes)
         return written
 

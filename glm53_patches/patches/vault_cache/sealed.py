@@ -7,6 +7,8 @@ added:
 ``vault_format``       ``glm53-vault-1``
 ``vault_fingerprint``  optional: the key fingerprint it was written under
 ``vault_batch``        optional, JSON: the batch shape the state was harvested in
+``vault_origin``       optional, JSON: what produced it (the model directory and the
+                       digest of its weights), so that stale entries can be found
 ``vault_digest_alg``   ``sha256``
 ``vault_digest``       SHA-256 of the whole file's bytes, taken while this
                        field held 64 ``0`` characters
@@ -105,7 +107,7 @@ def _marker(digest: str) -> bytes:
     return f'"{_DIGEST_KEY}":"{digest}"'.encode()
 
 
-def write(store, path: Path, snapshot, *, fingerprint=None, harvest=None):
+def write(store, path: Path, snapshot, *, fingerprint=None, harvest=None, origin=None):
     """Serialize `snapshot` like APC does, seal it, publish it atomically; return its size.
 
     None, and nothing written, if the snapshot holds a cache kind the reader does not decode.
@@ -135,6 +137,8 @@ def write(store, path: Path, snapshot, *, fingerprint=None, harvest=None):
         metadata["vault_fingerprint"] = fingerprint
     if harvest is not None:
         metadata["vault_batch"] = json.dumps(harvest, separators=(",", ":"), sort_keys=True)
+    if origin is not None:
+        metadata["vault_origin"] = json.dumps(origin, separators=(",", ":"), sort_keys=True)
     metadata.update({"vault_digest_alg": DIGEST_ALG, _DIGEST_KEY: _PLACEHOLDER})
     folder = private_dir(Path(store.dir) / TMP_DIR)
     temporary = folder / f"{path.stem}.{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}.safetensors"
@@ -421,13 +425,14 @@ def log_event(event, path: Path, size: int, refusal=None, removed=False):
                     + ("removed it" if removed else "could not remove it") + "; the request runs cold")
 
 
-def write_exact_cache_snapshot(store, path: Path, snapshot, *, fingerprint=None, harvest=None, report=log_event):
+def write_exact_cache_snapshot(store, path: Path, snapshot, *, fingerprint=None, harvest=None, origin=None,
+                               report=log_event):
     """``DiskBlockStore._write_exact_cache_snapshot``, sealed: [cache_hash], or None
     (nothing written) for a snapshot this module does not seal."""
     if not store._ensure_dir():
         raise OSError(f"APC disk cache directory unavailable: {store.dir}")
     path = Path(path)
-    size = write(store, path, snapshot, fingerprint=fingerprint, harvest=harvest)
+    size = write(store, path, snapshot, fingerprint=fingerprint, harvest=harvest, origin=origin)
     if size is None:
         return None
     store._disk_bytes += size

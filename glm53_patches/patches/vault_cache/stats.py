@@ -6,6 +6,7 @@ the fingerprint cache (``weights_cached``). ``fallbacks`` counts every time the
 stock cold path ran: ``miss``, ``refused:<reason>``, ``skipped:<reason>``.
 ``bytes`` adds byte totals (``written``, ``read``, ``refused``) that ``hits``
 cannot carry, and ``on_disk``: the size of the SSD tier when last looked at.
+``notes`` says, per model directory, why its disk tier is off (memory only).
 """
 
 from collections import Counter
@@ -17,6 +18,7 @@ class VaultStats(Stats):
     def __init__(self):
         super().__init__()
         self._bytes = Counter()
+        self._notes = {}
 
     def add_bytes(self, what, amount):
         with self._lock:
@@ -26,13 +28,19 @@ class VaultStats(Stats):
         with self._lock:
             self._bytes[what] = int(amount)
 
+    def note(self, key, text):
+        with self._lock:
+            self._notes[str(key)] = str(text)
+
     def snapshot(self):
         snapshot = super().snapshot()
         with self._lock:
             snapshot["bytes"] = dict(self._bytes)
+            snapshot["notes"] = dict(self._notes)
         return snapshot
 
     def reset(self):
         super().reset()
         with self._lock:
             self._bytes.clear()
+            self._notes.clear()
