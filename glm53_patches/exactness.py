@@ -1,6 +1,7 @@
 """Bit-for-bit comparison shared by the patches' ``verify`` checks."""
 
 import mlx.core as mx
+import numpy as np
 
 from .registry import backend
 
@@ -8,13 +9,25 @@ _UNSIGNED = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 def same_bits(a, b) -> bool:
-    """Same dtype, shape and bytes (so -0.0 != 0.0 and NaN payloads count)."""
+    """Same dtype, shape and bytes (so -0.0 != 0.0 and NaN payloads count): MLX or NumPy arrays."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     unsigned = _UNSIGNED.get(a.dtype.size)
     if unsigned is None:
         return bool(mx.array_equal(a, b).item())
     return bool(mx.array_equal(a.view(unsigned), b.view(unsigned)).item())
+
+
+def host_bits(x) -> np.ndarray:
+    """The array's bits as a NumPy array (bf16 and fp16 as uint16), e.g. to hash them."""
+    if x.size == 0:  # np.array() of an empty MLX CUDA array segfaults (MLX 0.32.4)
+        return np.zeros(x.shape, dtype=np.uint8)
+    if x.dtype in (mx.bfloat16, mx.float16):
+        x = x.view(mx.uint16)
+    return np.array(x)
 
 
 def abs_diff(a, b) -> float:

@@ -13,6 +13,8 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 
+from ..exactness import host_bits
+
 
 VIEWS = {"Reshape", "Squeeze", "ExpandDims", "Broadcast", "BroadcastAxes", "Slice", "Transpose",
          "AsStrided", "Flatten", "Unflatten", "StopGradient", "View", "Split"}
@@ -154,15 +156,6 @@ class Arms:
 # -- timing ----------------------------------------------------------------------------
 
 
-def bits(x):
-    """Host bytes of an array, bit for bit (bf16 included)."""
-    if x.size == 0:  # np.array() of an empty MLX CUDA array segfaults (MLX 0.32.4)
-        return np.zeros(x.shape, dtype=np.uint8)
-    if x.dtype in (mx.bfloat16, mx.float16):
-        x = x.view(mx.uint16)
-    return np.array(x)
-
-
 def _digest(arrays):
     h = hashlib.sha1()
     for a in arrays:
@@ -217,10 +210,10 @@ class Runner:
             outs, tokens = [], []
             for i in range(steps):
                 arrays = workload.step(state, i)
-                outs.append([bits(a) for a in arrays])
+                outs.append([host_bits(a) for a in arrays])
                 if workload.token:
                     tokens.append(workload.token(arrays))
-            records[label] = {"outs": outs, "tokens": tokens, "final": [bits(a) for a in workload.final(state)],
+            records[label] = {"outs": outs, "tokens": tokens, "final": [host_bits(a) for a in workload.final(state)],
                               "seconds": time.perf_counter() - start}  # a cold first pass: its compile stall
         self.arms.release()
         stock = records["stock"]

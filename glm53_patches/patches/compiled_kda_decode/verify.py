@@ -13,6 +13,8 @@ nothing, and the case is reported as inconclusive rather than as a failure.
 import mlx.core as mx
 import mlx.nn as nn
 
+from glm53_patches.exactness import same_bits
+
 STEPS = 16
 
 
@@ -43,10 +45,6 @@ def _layer(dtype, bits, seed, dims=SMALL):
     return layer
 
 
-def _bits(a):
-    return a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize])
-
-
 def check_case(stock, fast, dtype, bits, padding, seed, dims=SMALL):
     """One case: {"patch": first mismatch, "control": first stock-vs-stock difference, "worst": max |d|}."""
     from mlx_vlm.models.cache import ArraysCache
@@ -67,9 +65,9 @@ def check_case(stock, fast, dtype, bits, padding, seed, dims=SMALL):
         b = fast(layer, x, caches[2].make_mask(1), caches[2])
         for what, ref, other, got in (("output", a, again, b), ("conv", caches[0][0], caches[1][0], caches[2][0]),
                                       ("state", caches[0][1], caches[1][1], caches[2][1])):
-            if "control" not in found and not mx.array_equal(_bits(ref), _bits(other)).item():
+            if "control" not in found and not same_bits(ref, other):
                 found["control"] = f"stock run twice differs in {what} at step {step}"
-            if not mx.array_equal(_bits(ref), _bits(got)).item():
+            if not same_bits(ref, got):
                 found["worst"] = max(found["worst"], mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item())
                 found.setdefault("patch", f"{what} at step {step}")
     return found

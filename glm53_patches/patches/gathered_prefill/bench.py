@@ -30,6 +30,8 @@ import numpy as np
 
 from mlx_vlm.models.glm5_next import language as _lang
 
+from glm53_patches.exactness import same_bits
+
 from .attention import balanced_chunk, gathered_attention, query_chunk
 
 
@@ -54,10 +56,6 @@ def indexer_like_indices(batch, queries, context, topk, kpool, seed=0):
 
 def _stock(q, k, v, indices, scale):
     return _lang._sparse_prefill_attention(q, k, v, indices, scale)
-
-
-def _bits(a):
-    return np.array(a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize]))
 
 
 def run(context, queries, rounds, dtype, heads, dim, topk, kpool, batch=1, arms=("stock", "patched"),
@@ -92,7 +90,7 @@ def run(context, queries, rounds, dtype, heads, dim, topk, kpool, batch=1, arms=
                 outputs[name] = out
             del out
         if r == 0 and len(outputs) == 2:
-            exact = bool(np.array_equal(_bits(outputs["stock"]), _bits(outputs["patched"])))
+            exact = same_bits(outputs["stock"], outputs["patched"])
         del outputs
     ratios = [s / p for s, p in zip(times.get("stock", []), times.get("patched", []))]
     return {

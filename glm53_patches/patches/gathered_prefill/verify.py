@@ -14,9 +14,7 @@ where the patched chunks are 17 queries against stock's 16.
 import mlx.core as mx
 import numpy as np
 
-
-def _bits(a):
-    return np.array(a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize]))
+from glm53_patches.exactness import same_bits
 
 
 def indexer_like(batch, q_length, kv_length, topk, kpool, seed, holes=0.0, beyond=0.0, padded_rows=()):
@@ -69,7 +67,7 @@ def verify():
         ref = stock(q, k, v, indices, dim**-0.5, use_kernel=False)
         got = attention.gathered_attention(q, k, v, indices, dim**-0.5, max_elements=budget)
         mx.eval(ref, got)
-        if not np.array_equal(_bits(ref), _bits(got)):
+        if not same_bits(ref, got):
             diff = mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item()
             worst = max(worst, diff)
             failures.append(f"{dtype} B={batch} H={heads} D={dim} chunk={chunk}")

@@ -318,13 +318,6 @@ def _child(spec, phase, timeout):
     return result
 
 
-def _bits_equal(a, b):
-    import numpy as np
-
-    return bool(a.shape == b.shape and np.array_equal(a.astype(np.float32).view(np.uint32),
-                                                      b.astype(np.float32).view(np.uint32)))
-
-
 def _dir_bytes(path):
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
@@ -417,6 +410,8 @@ def main(argv=None):
     # Compare, and the per-length summary.
     import numpy as np
 
+    from glm53_patches import exactness
+
     rows = {}
     for length in lengths:
         runs = {**first.get("runs", {}).get(str(length), {}), **restart.get("runs", {}).get(str(length), {})}
@@ -434,7 +429,7 @@ def main(argv=None):
         for kind in ("warm", "restart"):
             other = work / "logits" / f"{length}-{kind}.npy"
             if cold.exists() and other.exists() and kind in runs:
-                row[f"{kind}_identical"] = _bits_equal(np.load(cold), np.load(other))
+                row[f"{kind}_identical"] = exactness.same_bits(np.load(cold), np.load(other))
                 row[f"{kind}_same_tokens"] = runs["cold"]["tokens"] == runs[kind]["tokens"]
         rows[length] = row
     out["results"] = rows
