@@ -20,6 +20,18 @@
 // exp differently from stock computes different bits.
 #pragma once
 
+#ifndef MSL_TYPECHECK  // the emulation's own headers, before the MSL words below are macros
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <thread>
+#include <vector>
+typedef std::thread __msl_host_thread;  // `thread` is an MSL word below
+#endif
+
 #ifdef MSL_TYPECHECK
 #define device __attribute__((address_space(1)))
 #define constant __attribute__((address_space(2)))
@@ -30,7 +42,6 @@
 #define threadgroup __msl_threadgroup__
 #define thread
 #define METAL_FUNC inline
-#define simd_size 32
 
 typedef unsigned char uchar;
 typedef unsigned short ushort;
@@ -59,8 +70,8 @@ template <class T> constexpr bool is_integral_v =
     is_same_v<T, long> || is_same_v<T, ulong> || is_same_v<T, long long> || is_same_v<T, unsigned long long>;
 }  // namespace metal
 
-inline float __msl_bits_to_float(uint u) { return __builtin_bit_cast(float, u); }
-inline uint __msl_float_to_bits(float f) { return __builtin_bit_cast(uint, f); }
+constexpr float __msl_bits_to_float(uint u) { return __builtin_bit_cast(float, u); }
+constexpr uint __msl_float_to_bits(float f) { return __builtin_bit_cast(uint, f); }
 
 #ifdef MSL_TYPECHECK
 typedef __bf16 bfloat;
@@ -245,12 +256,6 @@ template <typename U, typename T> inline U cast_to(T val) { return static_cast<U
 
 #ifndef MSL_TYPECHECK
 // ---- Emulation runtime: the threads of one threadgroup run as host threads.
-#include <barrier>
-#include <cmath>
-#include <cstring>
-#include <deque>
-#include <thread>
-#include <vector>
 
 struct __msl_attributes {
   uint3 thread_position_in_grid, threadgroup_position_in_grid, thread_position_in_threadgroup;
@@ -335,7 +340,7 @@ template <class F> void msl_run(uint3 grid, uint3 group, F fn) {
         uint n = size.x * size.y * size.z;
         __msl_group g(n);
         __msl_current = &g;
-        std::vector<std::thread> pool;
+        std::vector<__msl_host_thread> pool;
         for (uint t = 0; t < n; ++t) {
           pool.emplace_back([&, t] {
             uint3 l{t % size.x, (t / size.x) % size.y, t / (size.x * size.y)};
