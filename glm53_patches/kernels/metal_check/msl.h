@@ -3,12 +3,12 @@
 // Two modes. MSL_TYPECHECK (clang -fsyntax-only): the address spaces are clang
 // address_space attributes, so a pointer without one (MSL: thread memory) does
 // not take a device or constant pointer. Otherwise (g++, emulation): they are
-// nothing, and the SIMD-group functions exchange real values between the host
-// threads that run one threadgroup (the runtime at the end).
+// nothing, and the SIMD-group functions exchange real values between the
+// threads of one threadgroup, run as fibers (the runtime at the end).
 //
 // `threadgroup` expands to a marker the harness (typecheck.py) rewrites: a
 // declaration that starts with it becomes `static` (a threadgroup array is
-// one per threadgroup: shared by the host threads), a pointer's keeps the
+// one per threadgroup: shared by its threads), a pointer's keeps the
 // address space. `bfloat` converts as MSL 3.1 allows (quoted in MLX's
 // kernels/bf16_math.h): implicitly to float only; nothing converts implicitly
 // to it. For clang it is __bf16 (typecheck.py reports clang's implicit
@@ -21,15 +21,9 @@
 #pragma once
 
 #ifndef MSL_TYPECHECK  // the emulation's own headers, before the MSL words below are macros
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <deque>
-#include <thread>
-#include <vector>
-typedef std::thread __msl_host_thread;  // `thread` is an MSL word below
+#ifndef MSL_STD_INCLUDED  // else the build includes msl_std.h (precompiled) ahead of the preprocessed text
+#include "msl_std.h"
+#endif
 #endif
 
 #ifdef MSL_TYPECHECK
@@ -166,10 +160,11 @@ MSL_VEC_TYPES(short)
 MSL_VEC_TYPES(ushort)
 #undef MSL_VEC_TYPES
 
-struct complex64_t {  // MLX's kernels/complex.h, as far as sort.h names it
+struct complex64_t {  // MLX's kernels/complex.h, as far as sort.h and unary_ops.h name it
   float real, imag;
   constexpr complex64_t(float r, float i) : real(r), imag(i) {}
 };
+complex64_t cexpf(complex64_t);  // kernels/cexpf.h: named by Exp, which no kernel here calls on complex values
 
 namespace metal {
 template <class T> struct numeric_limits;
@@ -255,7 +250,11 @@ template <typename U> struct Limits {
 template <typename U, typename T> inline U cast_to(T val) { return static_cast<U>(val); }
 
 #ifndef MSL_TYPECHECK
-// ---- Emulation runtime: the threads of one threadgroup run as host threads.
+// ---- Emulation runtime: the threads of one threadgroup run as fibers (ucontext) on one host thread.
+// A fiber runs until it waits at a barrier (threadgroup_barrier, or the one
+// inside each SIMD-group function), then the next one runs; the threads run
+// in index order, or in reverse with MSL_REVERSE_SCHEDULE (a read that needs
+// a barrier it lacks then meets the unwritten value in one order or the other).
 
 struct __msl_attributes {
   uint3 thread_position_in_grid, threadgroup_position_in_grid, thread_position_in_threadgroup;
@@ -263,10 +262,38 @@ struct __msl_attributes {
   uint thread_index_in_simdgroup, simdgroup_index_in_threadgroup, thread_index_in_threadgroup;
   uint threads_per_simdgroup, simdgroups_per_threadgroup;
 };
-inline thread_local __msl_attributes __msl;
+struct __msl_fiber {
+  jmp_buf context;
+  __msl_attributes attributes;
+  bool done;
+};
+inline __msl_attributes __msl_host;  // msl_each's thread
+inline __msl_attributes* __msl_self = &__msl_host;
+#define __msl (*__msl_self)
+// Switches: _setjmp/_longjmp (no signal-mask system call, unlike swapcontext,
+// which only starts each fiber on its own stack).
+inline jmp_buf __msl_scheduler;
+inline __msl_fiber* __msl_running;
+inline void __msl_yield() {
+  if (!_setjmp(__msl_running->context)) _longjmp(__msl_scheduler, 1);
+}
+struct __msl_barrier {
+  uint expected, arrived = 0;
+  uint64_t generation = 0;
+  explicit __msl_barrier(uint n) : expected(n) {}
+  void arrive_and_wait() {
+    const uint64_t g = generation;
+    if (++arrived == expected) {
+      arrived = 0;
+      ++generation;
+      return;
+    }
+    while (generation == g) __msl_yield();
+  }
+};
 struct __msl_group {
-  std::barrier<> all;
-  std::deque<std::barrier<>> simds;
+  __msl_barrier all;
+  std::deque<__msl_barrier> simds;
   std::vector<uint64_t> slots;
   explicit __msl_group(uint n) : all(n), slots(n) {
     for (uint s = 0; s < (n + 31) / 32; ++s) simds.emplace_back(n - 32 * s < 32 ? n - 32 * s : 32);
@@ -280,6 +307,7 @@ inline uint __msl_lanes() {  // lanes in this thread's simdgroup (the last may b
   return n - first < 32 ? n - first : 32;
 }
 template <class T> inline void __msl_put(T v) {
+  static_assert(sizeof(T) <= sizeof(uint64_t), "a SIMD-group function of a scalar");
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
   __msl_current->slots[__msl.thread_index_in_threadgroup] = bits;
@@ -291,13 +319,30 @@ template <class T> inline T __msl_get(uint lane) {
   return v;
 }
 inline void __msl_done() { __msl_current->simds[__msl.simdgroup_index_in_threadgroup].arrive_and_wait(); }
-// simd_sum: a butterfly (lane i adds lane i ^ 16, then ^ 8, ...): one fixed order, the same for every caller.
+// simd_sum: one fixed order for every caller, chosen at build time
+// (MSL_SIMD_SUM_ORDER): 0 a butterfly (lane i adds lane i + 16, then + 8,
+// ...), 1 in lane order from lane 0, 2 from lane 31 down. The hardware's
+// order is unknown: a twin that matches stock under all three gives both
+// sides the same lane values, whatever order the hardware adds them in.
+#ifndef MSL_SIMD_SUM_ORDER
+#define MSL_SIMD_SUM_ORDER 0
+#endif
 template <class T> T metal::simd_sum(T v) {
   uint lanes = __msl_lanes();
   __msl_put(v);
   T part[32];
   for (uint i = 0; i < 32; ++i) part[i] = i < lanes ? __msl_get<T>(i) : T(0);
   __msl_done();
+  if (MSL_SIMD_SUM_ORDER == 1) {
+    T s = part[0];
+    for (uint i = 1; i < 32; ++i) s = s + part[i];
+    return s;
+  }
+  if (MSL_SIMD_SUM_ORDER == 2) {
+    T s = part[31];
+    for (int i = 30; i >= 0; --i) s = s + part[i];
+    return s;
+  }
   for (uint off = 16; off > 0; off >>= 1)
     for (uint i = 0; i < off; ++i) part[i] = part[i] + part[i + off];
   return part[0];
@@ -328,38 +373,78 @@ inline float metal::__msl_rsqrt_precise(float x) { return float(1.0 / std::sqrt(
 inline float metal::__msl_rsqrt_fast(float x) { return 1.0f / std::sqrt(x); }
 
 // Runs fn() as every thread of a 1D-3D grid (MLX dispatches threads: the
-// last threadgroup along x may be partial), one threadgroup after another.
+// last threadgroup along an axis may be partial), one threadgroup after another.
+#ifndef MSL_REVERSE_SCHEDULE
+#define MSL_REVERSE_SCHEDULE 0
+#endif
+inline void* __msl_body;
+inline ucontext_t __msl_launcher, __msl_entry;
+template <class F> void __msl_start() {
+  (*static_cast<F*>(__msl_body))();
+  __msl_running->done = true;
+  _longjmp(__msl_scheduler, 1);
+}
 template <class F> void msl_run(uint3 grid, uint3 group, F fn) {
-  uint3 groups{(grid.x + group.x - 1) / group.x, (grid.y + group.y - 1) / group.y, (grid.z + group.z - 1) / group.z};
+  const uint3 groups{(grid.x + group.x - 1) / group.x, (grid.y + group.y - 1) / group.y,
+                     (grid.z + group.z - 1) / group.z};
+  const uint most = group.x * group.y * group.z;
+  constexpr size_t stack_size = 256 * 1024;
+  std::vector<__msl_fiber> fibers(most);
+  std::unique_ptr<char[]> stacks(new char[size_t(most) * stack_size]);  // untouched until a fiber uses it
+  __msl_body = &fn;
   for (uint gz = 0; gz < groups.z; ++gz)
     for (uint gy = 0; gy < groups.y; ++gy)
       for (uint gx = 0; gx < groups.x; ++gx) {
-        uint3 size{group.x < grid.x - gx * group.x ? group.x : grid.x - gx * group.x,
-                   group.y < grid.y - gy * group.y ? group.y : grid.y - gy * group.y,
-                   group.z < grid.z - gz * group.z ? group.z : grid.z - gz * group.z};
-        uint n = size.x * size.y * size.z;
+        const uint3 size{group.x < grid.x - gx * group.x ? group.x : grid.x - gx * group.x,
+                         group.y < grid.y - gy * group.y ? group.y : grid.y - gy * group.y,
+                         group.z < grid.z - gz * group.z ? group.z : grid.z - gz * group.z};
+        const uint n = size.x * size.y * size.z;
         __msl_group g(n);
         __msl_current = &g;
-        std::vector<__msl_host_thread> pool;
         for (uint t = 0; t < n; ++t) {
-          pool.emplace_back([&, t] {
-            uint3 l{t % size.x, (t / size.x) % size.y, t / (size.x * size.y)};
-            __msl.thread_position_in_threadgroup = l;
-            __msl.threadgroup_position_in_grid = {gx, gy, gz};
-            __msl.thread_position_in_grid = {gx * group.x + l.x, gy * group.y + l.y, gz * group.z + l.z};
-            __msl.threads_per_threadgroup = size;
-            __msl.threads_per_grid = grid;
-            __msl.threadgroups_per_grid = groups;
-            __msl.thread_index_in_threadgroup = t;
-            __msl.thread_index_in_simdgroup = t % 32;
-            __msl.simdgroup_index_in_threadgroup = t / 32;
-            __msl.threads_per_simdgroup = 32;
-            __msl.simdgroups_per_threadgroup = (n + 31) / 32;
-            fn();
-          });
+          const uint3 l{t % size.x, (t / size.x) % size.y, t / (size.x * size.y)};
+          fibers[t].attributes = {{gx * group.x + l.x, gy * group.y + l.y, gz * group.z + l.z}, {gx, gy, gz}, l,
+                                  size, grid, groups, t % 32, t / 32, t, 32, (n + 31) / 32};
+          fibers[t].done = false;
         }
-        for (auto& th : pool) th.join();
+        // Each fiber's first turn starts it on its own stack; later turns resume it where it yielded.
+        std::vector<bool> started(n, false);
+        for (uint left = n; left > 0;) {
+          left = 0;
+          for (uint i = 0; i < n; ++i) {
+            const uint t = MSL_REVERSE_SCHEDULE ? n - 1 - i : i;
+            __msl_fiber& f = fibers[t];
+            if (f.done) continue;
+            __msl_running = &f;
+            __msl_self = &f.attributes;
+            if (!_setjmp(__msl_scheduler)) {
+              if (started[t]) _longjmp(f.context, 1);
+              started[t] = true;
+              getcontext(&__msl_entry);
+              __msl_entry.uc_stack.ss_sp = stacks.get() + size_t(t) * stack_size;
+              __msl_entry.uc_stack.ss_size = stack_size;
+              __msl_entry.uc_link = nullptr;
+              makecontext(&__msl_entry, __msl_start<F>, 0);
+              swapcontext(&__msl_launcher, &__msl_entry);
+            }
+            left += !f.done;
+          }
+        }
+        __msl_self = &__msl_host;
         __msl_current = nullptr;
+      }
+}
+
+// Runs fn() as every thread of a grid, one after another on this host
+// thread: for kernels whose threads never meet (no barrier, no SIMD-group
+// function), whose outputs do not depend on the threads' order.
+template <class F> void msl_each(uint3 grid, F fn) {
+  for (uint z = 0; z < grid.z; ++z)
+    for (uint y = 0; y < grid.y; ++y)
+      for (uint x = 0; x < grid.x; ++x) {
+        __msl_host.thread_position_in_grid = {x, y, z};
+        __msl_host.threads_per_grid = grid;
+        fn();
       }
 }
 #endif

@@ -25,7 +25,9 @@ import tempfile
 SHIM = pathlib.Path(__file__).with_name("msl.h")
 _ADDRESS_SPACE_3 = "__attribute__((address_space(3)))"
 _INSTANTIATION = re.compile(r'^template \[\[host_name\("[^"]*"\)\]\] \[\[kernel\]\] ', re.M)
-_DECLARATION = re.compile(r"(^|[;{}])(\s*)__msl_threadgroup__\b", re.M)
+# A statement that starts with `threadgroup` (after the preprocessor: no comments, no directives).
+_DECLARATION = re.compile(r"(\A|[;{}])(\s*)__msl_threadgroup__\b")
+_ATTRIBUTE = re.compile(r"\[\[__msl_threadgroup__\(\d+\)\]\]")  # [[threadgroup(n)]]: a binding, nothing to check here
 _VECTOR_CALL = re.compile(r"\b(?:float|half|bfloat|int|uint|short|ushort|char|uchar|long|ulong|bool)[234]\(")
 # MSL forbids implicit float (or half) -> bfloat; clang only warns about it for __bf16.
 _TO_BFLOAT = re.compile(r"implicit conversion loses floating-point precision: '[^']*' to '[^']*'( \(aka '[^']*'\))?$")
@@ -66,7 +68,7 @@ def expand(source, typecheck, defines=()):
     flags += [f"-D{d}" for d in defines]
     done = subprocess.run(["g++", "-E", "-P", "-x", "c++", "-std=c++20", *flags, f"-I{SHIM.parent}", "-"],
                           input=text, capture_output=True, text=True, check=True)
-    text = _DECLARATION.sub(lambda m: f"{m.group(1)}{m.group(2)}static {space}", done.stdout)
+    text = _DECLARATION.sub(lambda m: f"{m.group(1)}{m.group(2)}static {space}", _ATTRIBUTE.sub("", done.stdout))
     return text.replace("__msl_threadgroup__", space)
 
 
