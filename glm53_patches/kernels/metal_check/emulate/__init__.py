@@ -25,10 +25,12 @@ bfloat arithmetic other than "in float, rounded to nearest even", the
 hardware's fast exp, and pipeline thread and threadgroup-memory limits.
 """
 
+import atexit
 import functools
 import hashlib
 import pathlib
 import re
+import shutil
 import subprocess
 import tempfile
 
@@ -147,6 +149,7 @@ template <class X> void save(const char* path, const std::vector<X>& a) {
 """
 
 _BUILDS = pathlib.Path(tempfile.mkdtemp(prefix="glm53-metal-emulation-"))
+atexit.register(shutil.rmtree, _BUILDS, ignore_errors=True)
 
 
 # -U_FORTIFY_SOURCE: the fibers' _longjmp between stacks is what its checked longjmp refuses.
