@@ -17,9 +17,20 @@ with a cast to the model dtype after each step, and with ``__fmul_rn`` /
 ``__fadd_rn``: written with MLX's ``Multiply``/``Add`` functors, NVRTC fused
 ``acc + r * w`` into one fma and a third of the outputs differed on the H200.
 
-Metal: the same structure, accumulating in float32 (an assumption about
-MLX's Metal column reduction, unchecked); not run on any Mac yet: it runs
-only where ``glm53-patches verify expert_combine`` passed there.
+Metal: stock's kernels there are MLX 0.32.4's ``copy`` (the weights' cast),
+the binary ``Multiply`` and ``Add`` (``kernels/binary_ops.h``) and, for the sum
+over K < 32 rows, ``col_reduce_small`` (``kernels/reduction/reduce_col.h``,
+instantiated by ``reduce.metal`` with the model dtype as accumulator; its
+dispatch, ``strided_reduce_small`` in ``backend/metal/reduce.cpp``, gives it
+``min(8, K)`` threads per column). Thread ``j`` sums rows ``j, j + 8, ...``
+in the model dtype from 0, then thread 0 adds the others' sums in order, each
+add rounded to the model dtype. The body does the same. Inputs under 8
+elements arrive in the ``constant`` address space (MLX's
+``max_constant_array_size``), so its pointers keep the inputs' address space
+(``auto``). ``glm53_patches/kernels/metal_check`` type-checks the source MLX
+generates and runs it, emulated, against ``col_reduce_small``'s own text; it
+has not run on any Mac, and runs only where ``glm53-patches verify
+expert_combine`` passed there.
 """
 
 from typing import Optional
@@ -32,6 +43,7 @@ gpu_backend = hc_sinkhorn.gpu_backend
 
 THREADS = 256
 MAX_K = 32  # col_reduce_small covers reductions of at most 32 rows
+MAX_K_METAL = 31  # Metal's col_reduce_small: fewer than 32 rows (strided_reduce_general_dispatch)
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 CUDA_HEADER = r"""
@@ -61,7 +73,8 @@ CUDA_SOURCE = r"""
 """
 
 METAL_SOURCE = r"""
-  // Template constants: T (model dtype), K, H.
+  // Template constants: T (model dtype), K, H. Mirrors MLX's Metal kernels:
+  // copy (astype), Multiply, col_reduce_small with U = T, Add.
   const ulong i = thread_position_in_grid.x;
   const ulong total = (ulong)sizes[0] * H;
   if (i >= total) {
@@ -69,13 +82,23 @@ METAL_SOURCE = r"""
   }
   const ulong row = i / H;
   const ulong h = i - row * H;
-  const device T* r = routed + row * K * H + h;
-  const device float* w = weights + row * K;
-  float acc = 0.0f;
-  for (int k = 0; k < K; ++k) {
-    acc = acc + static_cast<float>(T(r[(ulong)k * H] * static_cast<T>(w[k])));
+  auto r = routed + row * K * H + h;  // auto: device, or constant under 8 elements
+  auto w = weights + row * K;
+  // col_reduce_small: LY = min(8, K) threads per column, thread j over rows j, j + LY, ...
+  constexpr int LY = K < 8 ? K : 8;
+  T totals[LY];
+  for (int j = 0; j < LY; ++j) {
+    totals[j] = T(0);  // Sum<T>::init
+    for (int k = j; k < K; k += LY) {
+      const T p = r[(ulong)k * H] * static_cast<T>(w[k]);  // the eager cast and Multiply
+      totals[j] = p + totals[j];  // op(cast_to<U>(row[i]), totals[i])
+    }
   }
-  out[i] = T(static_cast<T>(acc) + shared[i]);
+  T acc = totals[0];  // thread 0 then adds the others' sums, in order
+  for (int j = 1; j < LY; ++j) {
+    acc = totals[j] + acc;
+  }
+  out[i] = acc + shared[i];  // Add
 """
 
 _kernels = {}
@@ -112,7 +135,7 @@ def unsupported(routed, weights, shared, backend=None) -> Optional[str]:
         return "weights"
     if shared.shape != (*lead, hidden):
         return "shape"
-    if not 1 <= k <= MAX_K or hidden * routed.dtype.size % 16:
+    if not 1 <= k <= (MAX_K_METAL if backend == "metal" else MAX_K) or hidden * routed.dtype.size % 16:
         return "not col_reduce_small's case"  # stock would sum in another order
     if routed.size == 0:
         return "empty"

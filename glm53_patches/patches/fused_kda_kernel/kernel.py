@@ -27,10 +27,15 @@ rounds it:
 Which FMA_* values reproduce stock on a machine is what ``verify`` checks
 (it tries the others when the default fails and says which matched).
 
-Metal: the recurrence follows the stock Metal kernel (``gated_delta_kernel``)
-statement by statement and ``simd_sum``; the norms follow MLX's Metal
-``rms_single_row`` (4 values per lane). It has not run on any Mac: it runs
-only where ``glm53-patches verify fused_kda_kernel`` passed there.
+Metal: each step follows the stock Metal kernel that computes it (the
+comment above ``METAL_SOURCE`` names them): the recurrence mlx-vlm's
+``_make_gated_delta_kernel`` statement by statement, ``Dk / 32`` values per
+lane (so head dims that are multiples of 32, where stock uses that kernel),
+the norms MLX's ``rms_single_row``, the conv ``depthwise_conv_1d``, the
+functors with ``metal::precise::exp``. ``glm53_patches/kernels/metal_check``
+type-checks the source MLX generates and runs it, emulated, against those
+stock texts; it has not run on any Mac, and runs only where ``glm53-patches
+verify fused_kda_kernel`` passed there.
 """
 
 import functools
@@ -44,14 +49,17 @@ gpu_backend = hc_sinkhorn.gpu_backend
 compiled_constant = hc_sinkhorn.compiled_constant
 
 ROWS_PER_WARP = 4  # a head's D state rows are spread over D / 4 warps
-MAX_HEAD_DIM = 128  # one lane holds 4 of a row's values (CUDA: 8 of a norm's)
+MAX_HEAD_DIM = 128  # one lane holds at most 4 of a row's values (CUDA: 8 of a norm's)
 
 # FMA_NORM, FMA_STATE (see the module doc); verify tries the others.
 DEFAULT_FMA = {"cuda": (1, 1), "metal": (0, 0)}
 
 # One body for CUDA, Metal and the host check; KD_* macros are the backend's
 # primitives. Template constants: H, D, FMA_NORM, FMA_STATE, HAS_MASK.
-BODY = r"""
+# @PER@ is how many of a row's key-dim values a lane holds (contiguous, from
+# @PER@ * lane): CUDA keeps main's 4 (the H200-verified text); Metal's is
+# Dk / 32, as stock's Metal recurrence (mlx-vlm's gated-delta kernel) has it.
+_BODY = r"""
   constexpr int W = D / 4;  // warps per block, 4 state rows each
   const int bh = (int)KD_BLOCK;
   const int b = bh / H;
@@ -94,8 +102,8 @@ BODY = r"""
   // This lane's 4 key-dim values of q, k (normed, scaled) and the gate g.
   float qv[4], kv[4], gv[4];
   const float decay_rate = KD_EXP_F(A_log[h]);
-  for (int i = 0; i < 4; ++i) {
-    const int e = 4 * lane + i;
+  for (int i = 0; i < @PER@; ++i) {
+    const int e = @PER@ * lane + i;
     if (e < D) {
       const KD_BF16 qn = KD_BF_MUL(KD_ONE, KD_TO_BF(KD_MUL(KD_TO_F(KD_SILU(KD_CONV_AT(q_ch + e))), nq)));
       const KD_BF16 kn = KD_BF_MUL(KD_ONE, KD_TO_BF(KD_MUL(KD_TO_F(KD_SILU(KD_CONV_AT(k_ch + e))), nk)));
@@ -115,8 +123,8 @@ BODY = r"""
     const size_t row = ((size_t)bh * D + dv) * D;
     float s[4];
     float kv_mem = 0.0f;
-    for (int i = 0; i < 4; ++i) {
-      const int e = 4 * lane + i;
+    for (int i = 0; i < @PER@; ++i) {
+      const int e = @PER@ * lane + i;
       s[i] = e < D ? state[row + e] : 0.0f;
       s[i] = KD_MUL(s[i], gv[i]);
       kv_mem = KD_MAC(kv_mem, s[i], kv[i]);
@@ -124,8 +132,8 @@ BODY = r"""
     kv_mem = KD_LANE_SUM(kv_mem);
     const float delta = KD_MUL(KD_SUB(KD_TO_F(KD_SILU(KD_CONV_AT(v_ch + dv))), kv_mem), beta);
     float y = 0.0f;
-    for (int i = 0; i < 4; ++i) {
-      const int e = 4 * lane + i;
+    for (int i = 0; i < @PER@; ++i) {
+      const int e = @PER@ * lane + i;
       s[i] = KD_STATE_UPDATE(s[i], kv[i], delta);
       y = KD_MAC(y, s[i], qv[i]);
       if (e < D) {
@@ -156,6 +164,9 @@ BODY = r"""
     }
   }
 """
+
+BODY = _BODY.replace("@PER@", "4")  # CUDA and the host check
+METAL_BODY = _BODY.replace("@PER@", "KD_PER")
 
 CUDA_HEADER = r"""
 #include "mlx/backend/cuda/device/binary_ops.cuh"
@@ -220,8 +231,17 @@ __device__ __forceinline__ float kd_warp_tree(float v) {
 }
 """
 
-# Metal: MLX's bf16 ops round each step; the stock Metal recurrence zeroes y
-# on masked rows (the ops path does not).
+# Metal: stock's kernels for the same step, MLX 0.32.4 and mlx-vlm 0.7.10:
+# the compiled SiLU and compute_g_safe and the eager sigmoid / multiplies use
+# MLX's functors (kernels/unary_ops.h Sigmoid and Exp with metal::precise::exp,
+# binary_ops.h Multiply) on the arrays' own types (bf16 math through
+# kernels/bf16_math.h: computed in float, rounded to bf16 each step); the norms
+# follow rms_norm.metal's rms_single_row (4 values per lane, simd_sum, precise
+# rsqrt); the recurrence is mlx-vlm's _make_gated_delta_kernel
+# (models/gated_delta.py: Dk / 32 values per lane, simd_sum; a masked row keeps
+# its state and outputs 0). FMA_NORM / FMA_STATE: 0 writes stock's expressions
+# (acc + a * b), which the Metal compiler contracts as it contracts stock's;
+# 1 forces metal::fma, for verify to try when 0 fails.
 METAL_SOURCE = (
     r"""
 #define KD_BLOCK threadgroup_position_in_grid.x
@@ -232,50 +252,48 @@ METAL_SOURCE = (
 #define KD_ONE static_cast<bfloat16_t>(1.0f)
 #define KD_TO_F(x) static_cast<float>(x)
 #define KD_TO_BF(x) static_cast<bfloat16_t>(x)
-#define KD_SILU(x) kd_bf_mul((x), kd_sigmoid_bf(x))
-#define KD_SIGMOID_BF(x) kd_sigmoid_bf(x)
-#define KD_SIGMOID_F(x) kd_sigmoid_f(x)
-#define KD_EXP_F(x) metal::exp(x)
+#define KD_SILU(x) kd_bf_mul((x), kd_sigmoid(x))
+#define KD_SIGMOID_BF(x) kd_sigmoid(x)
+#define KD_SIGMOID_F(x) kd_sigmoid(x)
+#define KD_EXP_F(x) metal::precise::exp(x)
 #define KD_BF_MUL(a, b) kd_bf_mul((a), (b))
 #define KD_MUL(a, b) ((a) * (b))
 #define KD_ADD(a, b) ((a) + (b))
 #define KD_SUB(a, b) ((a) - (b))
 #define KD_DIV(a, b) ((a) / (b))
 #define KD_RSQRT(x) metal::precise::rsqrt(x)
-#define KD_MAC(acc, a, b) ((acc) + (a) * (b))
-#define KD_NORM_ACC(acc, x) ((acc) + (x) * (x))
-#define KD_STATE_UPDATE(s, k, d) ((s) + (k) * (d))
+#define KD_MAC(acc, a, b) (FMA_STATE ? metal::fma((a), (b), (acc)) : ((acc) + (a) * (b)))
+#define KD_NORM_ACC(acc, x) (FMA_NORM ? metal::fma((x), (x), (acc)) : ((acc) + (x) * (x)))
+#define KD_STATE_UPDATE(s, k, d) (FMA_STATE ? metal::fma((k), (d), (s)) : ((s) + (k) * (d)))
 #define KD_Y_CAST(live, y) static_cast<bfloat16_t>((live) ? (y) : 0.0f)
 #define KD_LANE_SUM(v) simd_sum(v)
+#define KD_PER (D / 32)
 #define NORM_READS 4
 """
-    + BODY
+    + METAL_BODY
 )
 
 METAL_HEADER = r"""
-template <int KC>
-inline bfloat16_t kd_conv(const device bfloat16_t* qkv, const device bfloat16_t* window,
-                          const device bfloat16_t* w, int b, int ch, int C) {
-  float acc = 0.0f;
+// MLX's kernels/conv.metal, depthwise_conv_1d: taps in order into a float.
+template <int KC, typename P, typename Q, typename W>
+inline bfloat16_t kd_conv(P qkv, Q window, W w, int b, int ch, int C) {
+  float acc = 0.0;
   for (int j = 0; j < KC - 1; ++j) {
-    acc += static_cast<float>(window[((size_t)b * (KC - 1) + j) * C + ch]) * static_cast<float>(w[(size_t)ch * KC + j]);
+    acc += static_cast<float>(window[((size_t)b * (KC - 1) + j) * C + ch]) * w[(size_t)ch * KC + j];
   }
-  acc += static_cast<float>(qkv[(size_t)b * C + ch]) * static_cast<float>(w[(size_t)ch * KC + KC - 1]);
+  acc += static_cast<float>(qkv[(size_t)b * C + ch]) * w[(size_t)ch * KC + KC - 1];
   return static_cast<bfloat16_t>(acc);
 }
-inline bfloat16_t kd_bf_mul(bfloat16_t a, bfloat16_t b) {
-  return static_cast<bfloat16_t>(static_cast<float>(a) * static_cast<float>(b));
+// binary_ops.h, struct Multiply.
+template <typename T>
+inline T kd_bf_mul(T x, T y) {
+  return x * y;
 }
-inline float kd_sigmoid_f(float x) {
-  float y = 1 / (1 + metal::exp(metal::abs(x)));
+// unary_ops.h, struct Sigmoid, on T = float or bfloat16_t.
+template <typename T>
+inline T kd_sigmoid(T x) {
+  auto y = 1 / (1 + metal::precise::exp(metal::abs(x)));
   return (x < 0) ? y : 1 - y;
-}
-// MLX's Metal Sigmoid on bfloat16_t: each step rounded to bf16.
-inline bfloat16_t kd_sigmoid_bf(bfloat16_t x) {
-  const bfloat16_t e = static_cast<bfloat16_t>(metal::exp(metal::abs(static_cast<float>(x))));
-  const bfloat16_t d = static_cast<bfloat16_t>(1.0f + static_cast<float>(e));
-  const bfloat16_t y = static_cast<bfloat16_t>(1.0f / static_cast<float>(d));
-  return static_cast<float>(x) < 0 ? y : static_cast<bfloat16_t>(1.0f - static_cast<float>(y));
 }
 """
 
@@ -315,6 +333,8 @@ def unsupported(dtype, state, heads, head_dim, lower_bound, gate_params, conv_we
         return "A_log / dt_bias not float32"
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         return "head dim"
+    if backend == "metal" and head_dim % 32:
+        return "head dim (stock's Metal recurrence kernel needs a multiple of 32)"
     if lower_bound is None:
         return "no lower bound (compute_g)"
     if state.shape[1:] != (heads, head_dim, head_dim) or conv_weight.shape[::2] != (3 * heads * head_dim, 1):

@@ -32,9 +32,18 @@ the compiled tail). Here one warp (simdgroup) per row does it all:
   ``Divide``/``Multiply`` with the constants a compiled kernel reads
   (``hc_sinkhorn.compiled_constant``).
 
-Metal: the same structure with Metal's ``metal::exp``, ``simd_shuffle_xor``
-and a sequential sum (``SUMCHUNK == K``). It has not run on any Mac; it runs
-only where ``glm53-patches verify router_select`` passed there.
+Metal: the same structure, mirroring MLX 0.32.4's Metal kernels for the
+same ops: the compiled head's ``Sigmoid`` (``kernels/unary_ops.h``, with
+``metal::precise::exp``: under the Safe math mode MLX sets for runtime-built
+kernels on macOS 15, a bare ``metal::exp`` is the fast one), the Metal sort
+that stands in for argpartition (``kernels/sort.h``, ``block_sort``: a stable
+merge sort under ``LessThan``, NaN last), ``simd_shuffle_xor``, and the weight
+sum as ``row_reduce_small``'s ``thread_reduce`` (``kernels/reduction/reduce_row.h``:
+K values added in order from 0, ``SUMCHUNK == K``). The logits row keeps its
+address space (``auto``): in MSL a pointer without one points into thread
+memory. ``glm53_patches/kernels/metal_check`` type-checks the source MLX
+generates and runs it, emulated, against those stock texts; it has not run on
+any Mac, and runs only where ``glm53-patches verify router_select`` passed there.
 """
 
 import functools
@@ -59,14 +68,15 @@ CUDA_HEADER = r"""
 #include "mlx/backend/cuda/device/unary_ops.cuh"
 """
 
-# The body is shared by CUDA and the host check; RS_* macros are the
-# backend's primitives.
-SELECT_BODY = r"""
+# The body is shared by CUDA, Metal and the host check; RS_* macros are the
+# backend's primitives. @LOGITS_ROW@ is the one declaration that differs: CUDA
+# keeps main's text (the H200-verified kernel), Metal names no address space.
+_SELECT_BODY = r"""
   // Template constants: E (experts), K (top-k), NORM, ORDER, SUMCHUNK.
   constexpr int PER = (E + 31) / 32;
   const unsigned row = RS_ROW;
   const int lane = (int)RS_LANE;
-  const float* lg = logits + (size_t)row * E;
+  @LOGITS_ROW@ lg = logits + (size_t)row * E;
 
   // Sigmoid and choice score of this lane's experts: stock's fused head.
   float score[PER];
@@ -181,6 +191,9 @@ SELECT_BODY = r"""
   }
 """
 
+SELECT_BODY = _SELECT_BODY.replace("@LOGITS_ROW@", "const float*")  # CUDA and the host check
+METAL_SELECT_BODY = _SELECT_BODY.replace("@LOGITS_ROW@", "auto")  # device, or constant below 8 elements
+
 # a before b: MLX's LessThan on the keys (NaN sorts last), then the lower index.
 BEFORE = r"""
 RS_INLINE bool expert_before(float av, int ai, float bv, int bi, int none) {
@@ -225,13 +238,14 @@ METAL_SOURCE = (
 #define RS_MULTIPLY(a, b) ((a) * (b))
 #define RS_SHFL_XOR(v, off) simd_shuffle_xor(v, (ushort)(off))
 """
-    + SELECT_BODY
+    + METAL_SELECT_BODY
 )
 
-# mlx/backend/metal/kernels/unary_ops.h's Sigmoid, as MLX's compiled Metal kernels evaluate it.
+# MLX 0.32.4 mlx/backend/metal/kernels/unary_ops.h, struct Sigmoid, for T = float: the
+# statements of stock's compiled head (precise::exp, as stock since MLX PR #4461).
 METAL_SIGMOID = r"""
 inline float metal_sigmoid(float x) {
-  float y = 1 / (1 + metal::exp(metal::abs(x)));
+  auto y = 1 / (1 + metal::precise::exp(metal::abs(x)));
   return (x < 0) ? y : 1 - y;
 }
 """

@@ -1,0 +1,193 @@
+"""Every CUDA kernel launch the kernel patches make, as records; ``python tests/metal/cuda_launches.py`` prints their digests.
+
+There is no CUDA here, so ``mx.fast.cuda_kernel`` is replaced for the run by
+a recorder: it keeps what the patch hands MLX (name, input and output names,
+source, header, flags) and, per launch, everything else MLX's generated CUDA
+source and launch depend on (input dtypes and shapes, template arguments,
+grid, threadgroup, outputs). Each patch's public kernel function is called
+with ``backend="cuda"`` over the shapes its verify uses. The digests of main
+(commit 4ed0234, recorded from its unmodified code) are in
+``test_cuda_unchanged.py``; running this file from another checkout
+(``PYTHONPATH=<checkout> python tests/metal/cuda_launches.py``) gives that
+checkout's.
+"""
+
+import contextlib
+import hashlib
+import json
+
+import mlx.core as mx
+
+
+def _plain(value):
+    if isinstance(value, mx.Dtype):
+        return str(value)
+    if isinstance(value, mx.array):
+        return {"dtype": str(value.dtype), "shape": list(value.shape)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class _Recorder:
+    """Stands in for ``mx.fast.cuda_kernel``: records construction and launches, returns zero outputs."""
+
+    def __init__(self):
+        self.records = []
+
+    def __call__(self, **kwargs):
+        built = {"kernel": _plain(kwargs)}
+        self.records.append(built)
+
+        def launch(**call):
+            self.records.append({"launch": kwargs["name"], **_plain(call)})
+            return [mx.zeros(s, dtype=d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+
+        return launch
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: ``mx.fast.cuda_kernel`` records, and the patches' kernel caches start (and end) empty."""
+    from glm53_patches.kernels import hc_sinkhorn
+    from glm53_patches.patches.dsa_decode import select_kernel
+    from glm53_patches.patches.expert_combine import kernel as combine
+    from glm53_patches.patches.fused_kda_kernel import kernel as kda
+    from glm53_patches.patches.indexer_fp32 import kernels as indexer
+    from glm53_patches.patches.kda_prefill_kernel import cuda as prefill
+    from glm53_patches.patches.router_select import kernel as router
+
+    caches = [m._kernels for m in (hc_sinkhorn, select_kernel, combine, kda, indexer, router)]
+    recorder = _Recorder()
+    original, original_available = mx.fast.cuda_kernel, prefill.cuda_available
+    for cache in caches:
+        cache.clear()
+    prefill._kernel = None
+    mx.fast.cuda_kernel = recorder
+    prefill.cuda_available = lambda: True
+    try:
+        yield recorder
+    finally:
+        mx.fast.cuda_kernel, prefill.cuda_available = original, original_available
+        for cache in caches:
+            cache.clear()
+        prefill._kernel = None
+
+
+def _normal(shape, seed, dtype=mx.float32):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+def _router():
+    from glm53_patches.patches.router_select.kernel import router_select
+
+    for rows, experts, top_k in ((1, 288, 8), (2048, 288, 8), (3, 8, 2)):
+        for order in (0, 1):
+            router_select(_normal((rows, experts), 1), _normal((experts,), 2), top_k, True, 2.5, backend="cuda",
+                          order=order)
+
+
+def _combine():
+    from glm53_patches.patches.expert_combine.kernel import expert_combine
+
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        for rows, k, hidden in ((1, 8, 4096), (64, 8, 4096), (3, 2, 128)):
+            expert_combine(_normal((rows, 1, k, hidden), 3, dtype), mx.softmax(_normal((rows, 1, k), 4), axis=-1),
+                           _normal((rows, 1, hidden), 5, dtype), backend="cuda")
+
+
+def _fused_kda():
+    from glm53_patches.patches.fused_kda_kernel import kernel
+
+    consts, scales = kernel.constants(1e-6 / 64, 1e-5, -5.0, 64**-0.5)
+    for batch, heads, dim in ((1, 4, 64), (3, 4, 64), (1, 64, 128)):
+        channels, taps = 3 * heads * dim, 4
+        bf = mx.bfloat16
+        inputs = [_normal((batch, channels), 6, bf), _normal((batch, taps - 1, channels), 7, bf),
+                  _normal((channels, taps), 8, bf), _normal((batch, heads * dim), 9, bf),
+                  _normal((batch, heads), 10, bf), _normal((batch, heads * dim), 11, bf),
+                  _normal((batch, heads, dim, dim), 12), _normal((heads,), 13), _normal((heads * dim,), 14),
+                  _normal((dim,), 15, bf), consts, scales]
+        for mask in (None, mx.array([True] * batch)):
+            for fma in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                kernel.fused_kda_step(*inputs, mask, backend="cuda", fma=fma)
+
+
+def _hc():
+    from glm53_patches.kernels import hc_sinkhorn
+
+    for dtype in (mx.bfloat16, mx.float32):
+        for batch, hidden in ((1, 4096), (4, 4096), (2, 128)):
+            for variant in ((0, 0, 0), (1, 0, 0), (2, 1, 1), (0, 2, 0)):
+                hc_sinkhorn.hc_sinkhorn_collapse(
+                    _normal((batch, 1, 4, hidden), 16, dtype), _normal((batch, 1, 24), 17), _normal((3,), 18),
+                    _normal((24,), 19), 4, 20, 1e-6, backend="cuda", variant=variant)
+
+
+def _dsa():
+    from glm53_patches.patches.dsa_decode.select_kernel import select_topk
+
+    for batch, keys, kpool, topk, tail in ((1, 4096, 16, 2048, 15), (2, 131072, 16, 2048, 15), (3, 300, 4, 64, 3)):
+        pools = keys // kpool
+        select_topk(_normal((batch, pools), 20), mx.ones((batch, keys), mx.bool_),
+                    mx.array([pools] * batch, mx.int32), mx.ones((batch,), mx.bool_), min(pools, topk // kpool),
+                    kpool=kpool, topk=topk, tail_width=tail, backend="cuda")
+
+
+def _indexer():
+    from glm53_patches.patches.indexer_fp32 import kernels
+
+    for dtype in (mx.bfloat16, mx.float32):
+        for batch, length, pools in ((1, 1, 256), (2, 16, 1024)):
+            q, keys = _normal((batch, length, 32, 128), 21, dtype), _normal((batch, pools, 128), 22, dtype)
+            ws = _normal((batch, length, 32), 23)
+            kernels.scores("cuda", q, keys, ws)
+            kernels.scores("cuda", q, keys, ws, mx.ones((batch, length, pools), mx.bool_))
+
+
+def _prefill():
+    from glm53_patches.patches.kda_prefill_kernel.cuda import kernel_gated_delta
+
+    for batch, length, heads, dk, dv in ((1, 64, 4, 64, 64), (2, 33, 64, 128, 128)):
+        shape = (batch, length, heads, dk)
+        q, k, g = _normal(shape, 24), _normal(shape, 25), -mx.abs(_normal(shape, 26))
+        v, beta = _normal((batch, length, heads, dv), 27), mx.sigmoid(_normal((batch, length, heads), 28))
+        for mask in (None, mx.ones((batch, length), mx.bool_)):
+            kernel_gated_delta(q, k, v, g, beta, None, mask)
+
+
+PATCHES = {
+    "router_select": _router,
+    "expert_combine": _combine,
+    "fused_kda_kernel": _fused_kda,
+    "hc_decode": _hc,
+    "dsa_decode": _dsa,
+    "indexer_fp32": _indexer,
+    "kda_prefill_kernel": _prefill,
+}
+
+
+def records():
+    """{patch: [its kernels' construction and launch records]}."""
+    found = {}
+    for name, drive in PATCHES.items():
+        with recording() as recorder:
+            drive()
+        found[name] = recorder.records
+    return found
+
+
+def digests():
+    """{patch: SHA-256 of its records as canonical JSON}."""
+    return {name: hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()
+            for name, rec in records().items()}
+
+
+if __name__ == "__main__":
+    import glm53_patches
+
+    print(f"# from {glm53_patches.__file__}")
+    for name, digest in digests().items():
+        print(f'    "{name}": "{digest}",')

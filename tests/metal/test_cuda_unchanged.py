@@ -1,0 +1,49 @@
+"""The CUDA kernels stay what the H200 verified: every patch's CUDA launches are main's, byte for byte.
+
+The digests below were recorded by ``cuda_launches.py`` from main at commit
+4ed0234 (unmodified, ``git worktree add /tmp/main 4ed0234`` then
+``PYTHONPATH=/tmp/main python tests/metal/cuda_launches.py``). Each covers
+the CUDA source and header text handed to ``mx.fast.cuda_kernel``, the
+kernel's names and flags, and per launch the input dtypes and shapes,
+template arguments, grid, threadgroup and outputs: everything MLX builds its
+CUDA source and launch from.
+"""
+
+import pytest
+
+import cuda_launches
+
+MAIN_4ED0234 = {
+    "router_select": "92c941b0cfb98dd73f1491ec979dc6667469a6bc6e8cf991a8208a7b3c9d6160",
+    "expert_combine": "d5f15e74ce5c0d80bf518cc2c2dcf533373145c28bb81efcfa0dcaf2ff6b0dbf",
+    "fused_kda_kernel": "e377af71d79e29810846df32587df739c9cbef36b75934a787708a708c231582",
+    "hc_decode": "6693074c30a17f8eee686e51f10bfe26d7384511b27aedcb3e61af2acf79d843",
+    "dsa_decode": "335d96af9fb8d8cebc1bb930d9452d394c7773fe62ac3c17eda4449d354a28ae",
+    "indexer_fp32": "a88f40ddcc82e9e4611d4b35bc732843d07a2107ef3a6a7b81859a2f0165b8d3",
+    "kda_prefill_kernel": "bd99032c68bb099a8709f5158d103ac49d02ca9e76fced094a02b503af478650",
+}
+
+
+@pytest.fixture(scope="module")
+def digests():
+    return cuda_launches.digests()
+
+
+@pytest.mark.parametrize("patch", sorted(MAIN_4ED0234))
+def test_cuda_launches_are_mains(digests, patch):
+    assert digests[patch] == MAIN_4ED0234[patch], f"{patch}'s CUDA kernel text or launch differs from main's"
+
+
+def test_every_cuda_kernel_is_recorded():
+    """Each launch record follows its kernel's construction; no patch builds a CUDA kernel unrecorded."""
+    import pathlib
+
+    import glm53_patches
+
+    root = pathlib.Path(glm53_patches.__file__).parent
+    users = {p.parent.name for p in root.rglob("*.py") if "mx.fast.cuda_kernel(" in p.read_text()}
+    assert users - {"kernels"} <= set(MAIN_4ED0234)  # kernels/: hc_sinkhorn, recorded as hc_decode
+    for name, records in cuda_launches.records().items():
+        built = [r["kernel"]["name"] for r in records if "kernel" in r]
+        launched = {r["launch"] for r in records if "launch" in r}
+        assert built and launched == set(built), name
