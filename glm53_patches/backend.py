@@ -1,5 +1,7 @@
-"""Which MLX backend runs here, and whether MLX loads at all: one answer for the whole package."""
+"""Which MLX backend runs here, whether MLX loads at all, and what machine this is: one answer for the package."""
 
+import platform
+import subprocess
 import sys
 from typing import Optional
 
@@ -34,3 +36,32 @@ def gpu() -> Optional[str]:
     """'metal' or 'cuda' when the default device is a GPU, else None."""
     name = current()
     return None if name == "cpu" else name
+
+
+def machine() -> dict:
+    """What a bug report needs about this machine: OS, CPU or chip, Python, MLX's device, versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    info = {"os": platform.platform(), "machine": platform.machine(), "python": platform.python_version()}
+    if sys.platform == "darwin":
+        info["macos"] = platform.mac_ver()[0]
+        try:
+            info["chip"] = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                          text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    for dist in ("mlx", "mlx-metal", "mlx-cuda-12", "mlx-cuda-13", "mlx-cpu", "mlx-vlm", "glm53-patches"):
+        try:
+            info[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    if mlx_problem() is None:
+        import mlx.core as mx
+
+        info["backend"] = current()
+        try:
+            info["device"] = {k: (v if isinstance(v, (str, int, float, bool)) else str(v))
+                              for k, v in mx.device_info().items()}
+        except Exception as exc:  # device_info is newer than some MLX releases
+            info["device"] = f"unavailable: {exc!r}"
+    return info

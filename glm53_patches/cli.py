@@ -165,29 +165,53 @@ def cmd_verify(args):
     if unknown:
         print(f"unknown patch(es): {', '.join(unknown)}; patches: {', '.join(patches)}", file=sys.stderr)
         return 2
+    from .exactness import verify_result
     from .upstream_import import import_language
 
     import_language()  # works on a bare GPU machine too
-    backend = registry.backend()
-    failed = 0
+    here = registry.backend()
+    failed, results = 0, {}
     print(f"{'patch':26} {'backend':8} {'result':24} time")
     for name in args.patches or list(patches):
         patch = patches[name]
         if patch.verify is None:
-            print(f"{name:26} {backend:8} {'no check (nothing to verify)':24}")
+            print(f"{name:26} {here:8} {'no check (nothing to verify)':24}")
             continue
         start = time.perf_counter()
         try:
             result = patch.verify()
         except Exception as exc:
-            result = {"exact": False, "max_abs_diff": float("nan"), "cases": 0, "detail": f"check raised {exc!r}"}
+            result = verify_result(False, float("nan"), 0, f"check raised {exc!r}")
         seconds = time.perf_counter() - start
         result = {**result, "passed": bool(result["exact"]), "seconds": round(seconds, 2), "date": time.strftime("%Y-%m-%d")}
-        verify_records.record(name, backend, result)
+        results[name] = result
+        verify_records.record(name, here, {k: v for k, v in result.items() if k != "case_results"})
         failed += not result["passed"]
         verdict = "exact" if result["passed"] else f"FAILED (max |d| {result['max_abs_diff']:.3g})"
-        print(f"{name:26} {backend:8} {verdict:24} {seconds:.1f}s  {result['cases']} cases; {result['detail']}")
+        print(f"{name:26} {here:8} {verdict:24} {seconds:.1f}s  {result['cases']} cases; {result['detail']}")
+    if args.cases or here == "metal":  # a Mac user's first look: every case, readable
+        print(_case_table(results))
+    if args.report:
+        report = {"command": "glm53-patches verify " + " ".join(args.patches), "date": time.strftime("%Y-%m-%d %H:%M"),
+                  "machine": backend.machine(), "patches": results}
+        Path(args.report).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"wrote {args.report} (machine, versions and every case: attach it to a bug report)")
     return 1 if failed else 0
+
+
+def _case_table(results):
+    lines = ["", f"{'patch':22} {'case':52} result"]
+    for name, result in results.items():
+        for case in result.get("case_results") or []:
+            outcome = case["result"]
+            if outcome == "differs":
+                outcome += f" (max |d| {case.get('max_abs_diff', float('nan')):.3g}{'; ' + case['where'] if case.get('where') else ''})"
+            elif outcome == "failed":
+                outcome += f": {case['error']}"
+            elif outcome == "inconclusive":
+                outcome += f": {case['why']}"
+            lines.append(f"{name:22} {case['case'][:52]:52} {outcome}")
+    return "\n".join(lines)
 
 
 def cmd_tiny_model(args):
@@ -247,6 +271,9 @@ def main(argv=None):
     commands.add_parser("doctor", help="check the installation").set_defaults(run=cmd_doctor)
     verify = commands.add_parser("verify", help="run exactness checks on this machine's backend and record them")
     verify.add_argument("patches", nargs="*")
+    verify.add_argument("--report", metavar="FILE", help="write a JSON to attach to a bug report: machine, OS, "
+                        "versions, and per case exact / max deviation / the exception")
+    verify.add_argument("--cases", action="store_true", help="print every case (always on Metal)")
     verify.set_defaults(run=cmd_verify)
     bench.add_parser(commands)
     stage.add_parser(commands)

@@ -39,23 +39,28 @@ def abs_diff(a, b) -> float:
 
 
 class Tally:
-    """Counts compared cases, mismatches and the largest difference seen."""
+    """Counts compared cases, mismatches and the largest difference seen, and keeps one record per case.
+
+    A record is ``{"case", "result", "max_abs_diff"}`` with result ``exact``,
+    ``differs``, ``inconclusive`` (nothing can be concluded, e.g. stock differs
+    from itself) or ``failed`` (the case raised; ``error`` says how): what
+    ``glm53-patches verify --report`` writes for each case.
+    """
 
     def __init__(self):
         self.cases = 0
         self.mismatches = []
         self.max_abs_diff = 0.0
         self.notes = []
+        self.records = []
 
     def compare(self, name, expected, actual):
-        self.cases += 1
         mx.eval(expected, actual)
         differing, worst = [], 0.0
         for i, (a, b) in enumerate(zip(expected, actual)):
             if not same_bits(a, b):
                 differing.append(i)
                 worst = max(worst, abs_diff(a, b))
-        self.max_abs_diff = max(self.max_abs_diff, worst)
         bad = []
         if differing:
             bad.append(
@@ -63,11 +68,40 @@ class Tally:
             )
         if len(expected) != len(actual):
             bad.append(f"{len(expected)} outputs expected, {len(actual)} produced")
-        if bad:
-            self.mismatches.append(f"{name}: " + "; ".join(bad))
-        return not bad
+        return self.add(name, not bad, worst, "; ".join(bad))
 
-    def result(self, seconds):
+    def add(self, name, exact, max_abs_diff=0.0, why=""):
+        """A case the check compared itself: ``exact`` or not (``why`` says where it differs)."""
+        self.cases += 1
+        self.max_abs_diff = max(self.max_abs_diff, max_abs_diff)
+        self.records.append({"case": name, "result": "exact" if exact else "differs", "max_abs_diff": max_abs_diff,
+                             **({"where": why} if why else {})})
+        if not exact:
+            self.mismatches.append(f"{name}: {why or 'differs'}")
+        return exact
+
+    def inconclusive(self, name, why):
+        """A case that proves nothing either way (it counts as a case, not as a pass)."""
+        self.cases += 1
+        self.records.append({"case": name, "result": "inconclusive", "why": why})
+        self.notes.append(f"{name} inconclusive: {why}")
+
+    def failed(self, name, exc):
+        """A case that raised: the patch is not verified."""
+        self.cases += 1
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        self.records.append({"case": name, "result": "failed", "error": error})
+        self.mismatches.append(f"{name}: raised {error}")
+
+    def result(self, seconds, detail=""):
+        """The verify result; ``detail`` replaces the default summary of cases, notes and mismatches."""
+        if not detail:
+            detail = self._summary(seconds)
+        compared = sum(r["result"] in ("exact", "differs") for r in self.records)
+        return verify_result(not self.mismatches and compared > 0, self.max_abs_diff, self.cases, detail,
+                             self.records)
+
+    def _summary(self, seconds):
         detail = f"{self.cases} cases on {backend()} in {seconds:.1f} s"
         if self.notes:
             detail += "; " + "; ".join(self.notes)
@@ -75,12 +109,13 @@ class Tally:
             shown = self.mismatches[:8]
             more = len(self.mismatches) - len(shown)
             detail += "; MISMATCH: " + " | ".join(shown) + (f" | and {more} more" if more else "")
-        return {
-            "exact": not self.mismatches and self.cases > 0,
-            "max_abs_diff": self.max_abs_diff,
-            "cases": self.cases,
-            "detail": detail,
-        }
+        return detail
+
+
+def verify_result(exact, max_abs_diff, cases, detail, case_results=()):
+    """What a patch's ``verify`` returns, and ``glm53-patches verify`` records."""
+    return {"exact": bool(exact), "max_abs_diff": max_abs_diff, "cases": cases, "detail": detail,
+            "case_results": list(case_results)}
 
 
 def _served_dtype(model, dtype):

@@ -77,3 +77,37 @@ def test_parallel_verify_runs_keep_every_record(tmp_path):
 def test_the_state_folder_is_private(tmp_path):
     verify_records.record("dsa_decode", "cuda", {"passed": True})
     assert verify_records._path().parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_verify_report_holds_the_machine_and_every_case(tmp_path):
+    report_path = tmp_path / "report.json"
+    result = cli("verify", "compiled_kda_decode", "--report", str(report_path), "--cases")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    machine = report["machine"]
+    assert machine["mlx"] and machine["mlx-vlm"] and machine["os"] and machine["python"] and machine["backend"] == "cpu"
+    entry = report["patches"]["compiled_kda_decode"]
+    assert entry["passed"] is True and len(entry["case_results"]) == entry["cases"] == 8
+    assert {case["result"] for case in entry["case_results"]} == {"exact"}
+    assert all(case["case"] in result.stdout for case in entry["case_results"])  # --cases prints each
+    stored = verify_records.load()
+    assert all("case_results" not in record for record in stored.values())  # the records stay small
+
+
+def test_tally_records_every_kind_of_case():
+    import mlx.core as mx
+
+    from glm53_patches.exactness import Tally
+
+    tally = Tally()
+    tally.compare("same", [mx.array([1.0, 2.0])], [mx.array([1.0, 2.0])])
+    tally.compare("off by one ulp", [mx.array([1.0])], [mx.array([1.0000001])])
+    tally.inconclusive("stock unstable", "stock differs from itself")
+    tally.failed("raised", ValueError("no kernel for this shape"))
+    result = tally.result(0.1)
+    assert [c["result"] for c in result["case_results"]] == ["exact", "differs", "inconclusive", "failed"]
+    assert result["case_results"][1]["max_abs_diff"] > 0 and "ValueError" in result["case_results"][3]["error"]
+    assert result["exact"] is False and result["cases"] == 4
+    only_inconclusive = Tally()
+    only_inconclusive.inconclusive("x", "why")
+    assert only_inconclusive.result(0.1)["exact"] is False  # nothing compared proves nothing

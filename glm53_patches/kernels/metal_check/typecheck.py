@@ -20,7 +20,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import tempfile
 
 SHIM = pathlib.Path(__file__).with_name("msl.h")
 _ADDRESS_SPACE_3 = "__attribute__((address_space(3)))"

@@ -10,10 +10,12 @@ CUDA with MLX 0.32.4, fp32 4-bit weights at batch 3), the comparison proves
 nothing, and the case is reported as inconclusive rather than as a failure.
 """
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from glm53_patches.exactness import same_bits
+from glm53_patches.exactness import Tally, same_bits
 
 STEPS = 16
 
@@ -81,22 +83,24 @@ def verify():
 
     stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
     fast = make_call(stock)
-    cases, worst, failures, unstable = 0, 0.0, [], []
+    tally = Tally()
+    start = time.perf_counter()
     for dtype in (mx.float32, mx.bfloat16):
         for bits in (None, 4):
             for padding in (None, [0, 2, 7]):
                 name = f"{dtype} bits={bits} pad={padding}"
-                found = check_case(stock, fast, dtype, bits, padding, seed=cases)
+                found = check_case(stock, fast, dtype, bits, padding, seed=tally.cases)
                 if "control" in found:  # stock differs from itself: a comparison proves nothing
-                    unstable.append(f"{name}: {found['control']}")
-                elif "patch" in found:
-                    failures.append(f"{name}: {found['patch']}")
-                    worst = max(worst, found["worst"])
-                cases += 1
+                    tally.inconclusive(name, found["control"])  # seen on CUDA (MLX 0.32.4): fp32 4-bit, batch 3
+                else:
+                    tally.add(name, "patch" not in found, found["worst"], found.get("patch", ""))
+    failures = [r for r in tally.records if r["result"] == "differs"]
+    unstable = [r for r in tally.records if r["result"] == "inconclusive"]
     detail = f"{STEPS} decode steps per case (fp32/bf16 x dense/4-bit x batch 1/batch 3 masked)"
     if failures:
-        detail += f"; {len(failures)} case(s) differ, first mismatch each: " + "; ".join(failures)
-    if unstable:  # seen on CUDA (MLX 0.32.4): fp32 4-bit, batch 3
-        detail += f"; {len(unstable)} case(s) inconclusive, stock not repeatable here: " + "; ".join(unstable)
-    exact = not failures and len(unstable) < cases  # at least one case must have been comparable
-    return {"exact": exact, "max_abs_diff": worst, "cases": cases, "detail": detail}
+        detail += f"; {len(failures)} case(s) differ, first mismatch each: " + "; ".join(
+            f"{r['case']}: {r['where']}" for r in failures)
+    if unstable:
+        detail += f"; {len(unstable)} case(s) inconclusive, stock not repeatable here: " + "; ".join(
+            f"{r['case']}: {r['why']}" for r in unstable)
+    return tally.result(time.perf_counter() - start, detail)

@@ -53,23 +53,22 @@ def check_kernel(tally, backend):
         before = PATCH.stats.snapshot()["hits"].get("kernel", 0)
         with switch.forcing(True):
             found = check_case(stock, fast, mx.bfloat16, bits, padding, seed, dims)
-        tally.cases += 1
         if PATCH.stats.snapshot()["hits"].get("kernel", 0) == before:
-            tally.mismatches.append(f"{name}: the kernel never ran")
+            tally.add(name, False, why="the kernel never ran")
         elif "control" in found:
-            tally.notes.append(f"{name} inconclusive: {found['control']}")
+            tally.inconclusive(name, found["control"])
         elif "patch" in found:
-            tally.max_abs_diff = max(tally.max_abs_diff, found["worst"])
             matched = []
             for variant in itertools.product((0, 1), repeat=2):
                 if variant != default:
                     with _fma(backend, variant), switch.forcing(True):
                         if "patch" not in check_case(stock, fast, mx.bfloat16, bits, padding, seed, dims):
                             matched.append(variant)
-            tally.mismatches.append(
-                f"{name}: {found['patch']} (max |diff| {found['worst']:.3g}); "
-                f"FMA (norm, state) variants matching instead: {matched or 'none'}"
-            )
+            tally.add(name, False, found["worst"],
+                      f"{found['patch']} (max |diff| {found['worst']:.3g}); "
+                      f"FMA (norm, state) variants matching instead: {matched or 'none'}")
+        else:
+            tally.add(name, True)
 
 
 def verify():

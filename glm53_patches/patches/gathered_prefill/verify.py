@@ -14,7 +14,7 @@ where the patched chunks are 17 queries against stock's 16.
 import mlx.core as mx
 import numpy as np
 
-from glm53_patches.exactness import same_bits
+from glm53_patches.exactness import Tally
 
 
 def indexer_like(batch, q_length, kv_length, topk, kpool, seed, holes=0.0, beyond=0.0, padded_rows=()):
@@ -50,33 +50,28 @@ def verify():
     from . import PATCH, attention
 
     stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
-    cases, worst, failures = 0, 0.0, []
+    tally = Tally()
     small = [(dtype, batch, chunk) for dtype in (mx.float32, mx.bfloat16) for batch in (1, 2) for chunk in (5, 16, 40)]
     # (dtype, batch, heads, dim, q_length, kv_length, topk, kpool, queries per patched chunk)
     shapes = [(dtype, batch, 4, 64, 40, 160, 32, 4, chunk) for dtype, batch, chunk in small]
     shapes.append((mx.bfloat16, 1, 64, 256, 34, 2048, 2048, 16, 17))
     for dtype, batch, heads, dim, q_length, kv_length, topk, kpool, chunk in shapes:
-        mx.random.seed(cases)
+        mx.random.seed(tally.cases)
         q = mx.random.normal((batch, heads, q_length, dim)).astype(dtype)
         k = mx.random.normal((batch, heads, kv_length, dim)).astype(dtype)
         v = mx.random.normal((batch, heads, kv_length, dim)).astype(dtype)
-        indices = indexer_like(batch, q_length, kv_length, topk, kpool, cases,
+        indices = indexer_like(batch, q_length, kv_length, topk, kpool, tally.cases,
                                padded_rows=[(b, 3) for b in range(batch)])
         width = indices.shape[-1]
         budget = heads * width * dim * batch * chunk
         ref = stock(q, k, v, indices, dim**-0.5, use_kernel=False)
         got = attention.gathered_attention(q, k, v, indices, dim**-0.5, max_elements=budget)
-        mx.eval(ref, got)
-        if not same_bits(ref, got):
-            diff = mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item()
-            worst = max(worst, diff)
-            failures.append(f"{dtype} B={batch} H={heads} D={dim} chunk={chunk}")
-        cases += 1
+        tally.compare(f"{dtype} B={batch} H={heads} D={dim} chunk={chunk}", [ref], [got])
         del q, k, v, ref, got
     detail = (
         f"stock vs gathered chunks (fp32/bf16 x batch 1/2 x chunks 5/16/40; "
         f"bf16 64 heads x 256, 2063 keys, 34 queries in chunks of 17) on {mx.default_device()}"
     )
-    if failures:
-        detail += f"; mismatches: {', '.join(failures)}"
-    return {"exact": not failures, "max_abs_diff": worst, "cases": cases, "detail": detail}
+    if tally.mismatches:
+        detail += f"; mismatches: {', '.join(r['case'] for r in tally.records if r['result'] != 'exact')}"
+    return tally.result(0.0, detail)

@@ -3,7 +3,8 @@
 1. GPU: the kernel against the stock ``_expert_select`` (module's own,
    ``mx.compile``d) at GLM-5.3-Flash's router (288 experts, top 8, scaling
    2.5, normalised), 1, 8 and 2,048 rows; logits at three scales (the widest
-   saturates the sigmoid at 1.0, so many scores tie), rows of repeated
+   saturates the sigmoid at 1.0, so many scores tie), all-negative rows
+   (every picked score under 0.5, where exp's last bits show), rows of repeated
    values (exact ties), rows holding NaN. Indices (with their order) and
    weights compared bit for bit. If the default order fails, the other one
    is tried and the note says which order this MLX uses;
@@ -28,6 +29,9 @@ def _logit_cases():
     for rows in (1, 8, 2048):
         for spread in (0.5, 3.0, 20.0):
             yield f"{rows} rows, logits N(0, {spread})", spread * mx.random.normal((rows, EXPERTS), key=next(key))
+    # Every score picked below 0.5: there the sigmoid's exp is not hidden by 1 - y (an exp spelled
+    # differently from stock's precise one shows in the weights; the host emulation found this).
+    yield "8 rows, all logits negative", -1.0 - mx.abs(2.0 * mx.random.normal((8, EXPERTS), key=next(key)))
     values = mx.random.normal((8, 12), key=next(key))
     yield "8 rows of 24-fold repeated values", mx.repeat(values, 24, axis=1)
     nan = mx.random.normal((4, EXPERTS), key=next(key))

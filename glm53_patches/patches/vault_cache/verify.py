@@ -17,6 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from glm53_patches.exactness import Tally, verify_result
+
 NAME = "vault_cache"
 INTERVAL = 32
 STEPS = 4
@@ -55,8 +57,7 @@ def verify():
 
     applied_here = NAME not in registry.applied()
     if applied_here and registry.apply([NAME])[NAME]["state"] != "applied":
-        return {"exact": False, "max_abs_diff": float("nan"), "cases": 0,
-                "detail": "vault_cache could not be applied here (see `glm53-patches status`)"}
+        return verify_result(False, float("nan"), 0, "vault_cache could not be applied here (see `glm53-patches status`)")
     rng = np.random.default_rng(0)
     long = [int(t) for t in rng.integers(20, 500, 130)]
     prompts = {
@@ -65,7 +66,7 @@ def verify():
         "partial prefix": long[:70] + [int(t) for t in rng.integers(20, 500, 40)],
         "extends a stored prompt": long + [int(t) for t in rng.integers(20, 500, 24)],
     }
-    cases, worst, failures, managers = 0, 0.0, [], []
+    tally, managers = Tally(), []
     try:
         with tempfile.TemporaryDirectory(prefix="glm53-vault-verify-") as scratch:
             scratch = Path(scratch)
@@ -81,19 +82,14 @@ def verify():
                     cold, _ = _generate(model, processor, ids, managers[-1])
                     managers.append(_manager(shared))
                     warm, cached = _generate(model, processor, ids, managers[-1])
-                    cases += 1
                     if not cached:
-                        failures.append(f"{label} {name}: not restored")
-                        continue
-                    for a, b in zip(cold, warm):
-                        if not mx.array_equal(a.view(mx.uint32), b.view(mx.uint32)).item():
-                            worst = max(worst, mx.abs(a - b).max().item())
-                            failures.append(f"{label} {name} (restored {cached} tokens)")
-                            break
+                        tally.add(f"{label} {name}", False, why="not restored")
+                    else:
+                        tally.compare(f"{label} {name} (restored {cached} tokens)", cold, warm)
     finally:
         for manager in managers:
             manager.close()
         if applied_here:
             registry.revert([NAME])
-    detail = "; ".join(failures) if failures else "warm logits bit-identical to cold at every step"
-    return {"exact": not failures, "max_abs_diff": worst, "cases": cases, "detail": detail}
+    detail = "; ".join(tally.mismatches) if tally.mismatches else "warm logits bit-identical to cold at every step"
+    return tally.result(0.0, detail)

@@ -1,6 +1,5 @@
 """expert_combine's Metal twin against ``SwitchGLU._combine`` on Metal: copy (astype), Multiply, col_reduce_small (U = T), Add."""
 
-import mlx.core as mx
 
 from . import PRELUDE, bits_dtype, excerpt, execute, generated, host_type, launch, macro, pairs
 
