@@ -259,14 +259,20 @@ def summary(described, patch, result: Dict) -> str:
         out += [f"Off by default: `{described.switch}=1` turns it on; unset, mlx-vlm runs its current code.", ""]
     eq = result.get("equivalence") or {}
     if eq.get("cases"):
-        same = all(eq["staged_equals_stock"].values())
-        checked = f"greedy decoding gave logits {'bit-identical' if same else 'not bit-identical'}"
         reference = "the same prefill kept in memory" if described.equivalence == "warm-cold" else "the current code"
+        cases = len(eq["cases"])
+        differ = [c for c in eq["cases"] if not eq["staged_equals_stock"][c]]
+        if not differ:
+            checked = f"greedy decoding gave logits bit-identical to those of {reference} in all {cases} cases"
+        else:
+            same_tokens = sum(bool(eq["tokens_equal_stock"].get(c)) for c in eq["cases"])
+            largest = max(eq["max_abs_diff_vs_stock"].get(c, float("nan")) for c in differ)
+            checked = (f"the logits differed from those of {reference} in {len(differ)} of {cases} cases "
+                       f"(largest difference {largest:.2g}), with the same greedy tokens in {same_tokens} of {cases}")
         if described.gpu_only and result["backend"] == "cpu":
             checked += " (the new path declines every call there)"
+        off = "the same logits as before" if all(eq["off_equals_stock"].values()) else "DIFFERENT logits"
         out += [f"Checked here on {_backend(result)} (mlx {result['mlx']}, mlx-vlm {result['pin']}): with the "
-                f"switch on, {checked} to those of {reference}; with it off, "
-                + ("the same logits as before." if all(eq["off_equals_stock"].values()) else "DIFFERENT logits.")
-                , ""]
+                f"switch on, {checked}; with it off, {off}.", ""]
     out += ["Files:", ""] + [f"- `{path}` ({status})" for path, status in result["diff"]["files"].items()] + [""]
     return "\n".join(out)
