@@ -271,7 +271,9 @@ def summary(described, patch, result: Dict) -> str:
                        f"(largest difference {largest:.2g}), with the same greedy tokens in {same_tokens} of {cases}")
         if described.gpu_only and result["backend"] == "cpu":
             checked += " (the new path declines every call there)"
-        off = "the same logits as before" if all(eq["off_equals_stock"].values()) else "DIFFERENT logits"
+        off_same = sum(bool(v) for v in eq["off_equals_stock"].values())
+        off = (f"logits bit-identical to those of {reference} in all {cases} cases" if off_same == cases
+               else f"logits NOT bit-identical to those of {reference} in {cases - off_same} of {cases} cases")
         out += [f"Checked here on {_backend(result)} (mlx {result['mlx']}, mlx-vlm {result['pin']}): with the "
                 f"switch on, {checked}; with it off, {off}.", ""]
     out += ["Files:", ""] + [f"- `{path}` ({status})" for path, status in result["diff"]["files"].items()] + [""]
