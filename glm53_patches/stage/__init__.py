@@ -77,8 +77,8 @@ class Result:
             (tests and tests.get("counts", {}).get("skipped"), "staged tests were skipped"),
             (eq and not eq.get("ok"), eq.get("error") or "the equivalence check failed"),
         ]
-        why = next((str(text) for failed, text in reasons if failed), "")
-        return (why.strip().splitlines() or [""])[-1] if why else ""
+        why = next((str(text).strip() for failed, text in reasons if failed), "")
+        return why.splitlines()[-1] if why else ""  # a traceback's last line says what failed
 
 
 # -- which patches, which trees ------------------------------------------------------------------
