@@ -1,4 +1,4 @@
-"""glm53-patches stage: a patch as an mlx-vlm pull request (PATCH.diff + PR.md), checked.
+"""glm53-patches stage: a patch as an mlx-vlm change (PATCH.diff, EVIDENCE.md, SUMMARY.md), checked.
 
 For one patch and one mlx-vlm source tree (``--upstream``, or each pinned
 release's wheel, unpacked into a cache):
@@ -6,18 +6,21 @@ release's wheel, unpacked into a cache):
 1. generate the upstream form from the patch's own modules (``source.py``,
    driven by the patch folder's ``upstream.py``) and write ``PATCH.diff``;
 2. ``git apply --check``, then ``git apply``, in a clean git copy of the tree;
-3. in that applied tree, in ``python -I -S`` with glm53_patches unimportable:
-   run the staged tests, and decode the tiny checkpoints greedily with the
-   switch on and off (``runner.py``);
+3. in that applied tree, in ``python -I -S`` on an import path without
+   glm53-patches (``checks.isolated_path``): run the staged tests, and decode
+   the tiny checkpoints greedily with the switch on and off (``runner.py``);
 4. decode the same with the plugin applied to the stock tree, and compare
    the logits bit for bit;
-5. write ``PR.md`` and ``stage.json``.
+5. write ``PATCH.diff``, ``EVIDENCE.md`` and ``SUMMARY.md`` (``pr.py``) and
+   ``stage.json``. A failed stage writes ``stage.json`` alone, saying why;
+   ``--no-run`` writes ``PATCH.diff`` and ``stage.json``.
 
 Nothing here imports mlx at module level, so the CLI stays fast.
 """
 
 import datetime
 import importlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -57,15 +60,25 @@ class Result:
 
     @property
     def ok(self) -> bool:
+        return not self.why
+
+    @property
+    def why(self) -> str:
+        """Empty when the stage passed (or there is nothing to stage); else the first reason, one line."""
         if not self.stageable:
-            return True
-        checks = [self.applies, not self.error]
-        if self.tests:
-            checks += [self.tests.get("ok"), self.tests.get("passed", 0) > 0, not self.tests.get("failed"),
-                       not self.tests.get("counts", {}).get("skipped")]
-        if self.equivalence:
-            checks.append(self.equivalence.get("ok"))
-        return all(checks)
+            return ""
+        tests, eq = self.tests, self.equivalence
+        reasons = [
+            (self.error, self.error),
+            (not self.applies, "the diff does not apply"),
+            (tests and not tests.get("ok"), tests.get("error") or "the staged tests did not run"),
+            (tests and tests.get("failed"), f"staged tests failed: {', '.join(tests.get('failed') or [])}"),
+            (tests and not tests.get("passed"), "no staged test passed"),
+            (tests and tests.get("counts", {}).get("skipped"), "staged tests were skipped"),
+            (eq and not eq.get("ok"), eq.get("error") or "the equivalence check failed"),
+        ]
+        why = next((str(text).strip() for failed, text in reasons if failed), "")
+        return why.splitlines()[-1] if why else ""  # a traceback's last line says what failed
 
 
 # -- which patches, which trees ------------------------------------------------------------------
@@ -137,9 +150,12 @@ def _tree_version(tree: Path) -> str:
 # -- one patch, one tree ---------------------------------------------------------------------
 
 
+OUTPUTS = ("PATCH.diff", "EVIDENCE.md", "SUMMARY.md", "PR.md")  # PR.md: what stage wrote before
+
+
 def stage(patch, tree: Path, out: Path, *, models: Optional[Dict[str, str]] = None, run: bool = True,
           tree_source: str = "", pin: Optional[str] = None, work: Optional[Path] = None) -> Result:
-    """Stage ``patch`` onto ``tree``; write PATCH.diff, PR.md and stage.json into ``out``.
+    """Stage ``patch`` onto ``tree``; write into ``out`` what passed (module docstring) and stage.json.
 
     ``run`` False stops after ``git apply --check``/``git apply``. ``models``
     (from ``tiny_models``) is needed when ``run`` is True.
@@ -154,18 +170,18 @@ def stage(patch, tree: Path, out: Path, *, models: Optional[Dict[str, str]] = No
         described = describe(patch)
     except StageError as exc:
         result.error = f"upstream.py: {exc}"
-        return result
+        return _write(result, out, {})
     if described is None:
         result.stageable = False
         result.error = "no upstream.py in the patch folder: nothing to stage"
         return result
-    out.mkdir(parents=True, exist_ok=True)
     if run and models is None:
         models = tiny_models(default_cache())
     owned_work = work is None
     work = Path(tempfile.mkdtemp(prefix=f"stage-{patch.name}-")) if owned_work else Path(work)
+    files = {}
     try:
-        _stage_into(result, patch, described, tree, out, work, models, run)
+        files = _stage_into(result, patch, described, tree, work, models, run)
     except StageError as exc:
         result.error = str(exc)
     except (OSError, subprocess.SubprocessError) as exc:  # git missing, a run timed out, ...
@@ -178,24 +194,48 @@ def stage(patch, tree: Path, out: Path, *, models: Optional[Dict[str, str]] = No
     result.backend = registry.backend()
     result.mlx = mx.__version__
     result.seconds = round(time.perf_counter() - started, 1)
-    result.out = str(out)
-    if result.diff:
+    if result.ok and run:
         from . import pr
 
-        try:
-            (out / "PR.md").write_text(pr.render(described, patch, asdict(result)), encoding="utf-8")
-        except StageError as exc:
-            result.error = result.error or str(exc)
-    (out / "stage.json").write_text(json.dumps(asdict(result), indent=1, default=str) + "\n")
+        record = asdict(result)
+        files["EVIDENCE.md"] = pr.evidence(described, patch, record, files["PATCH.diff"], _checkpoints(models))
+        files["SUMMARY.md"] = pr.summary(described, patch, record)
+    return _write(result, out, files if result.ok else {})
+
+
+def _write(result: Result, out: Path, files: Dict[str, str]) -> Result:
+    """``files`` and stage.json into ``out``; what an earlier stage wrote there goes first."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text, encoding="utf-8")
+    result.out = str(out)
+    record = {"ok": result.ok, "why": result.why, "written": sorted(files) + ["stage.json"], **asdict(result)}
+    (out / "stage.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     return result
 
 
-def _stage_into(result, patch, described: Description, tree, out, work, models, run):
-    from . import checks
+def _checkpoints(models: Dict[str, str]) -> Dict[str, str]:
+    """{name: 'N layers, hidden H, float32' or '..., 4-bit'} of the tiny checkpoints."""
+    found = {}
+    for name, folder in (models or {}).items():
+        config = json.loads((Path(folder) / "config.json").read_text())
+        text = config.get("text_config", config)
+        bits = config.get("quantization", {}).get("bits")
+        found[name] = (f"{text.get('num_hidden_layers')} layers, hidden {text.get('hidden_size')}, "
+                       + (f"{bits}-bit weights" if bits else f"{text.get('dtype', 'float32')} weights"))
+    return found
+
+
+def _stage_into(result, patch, described: Description, tree, work, models, run) -> Dict[str, str]:
+    """Fill ``result``; return the files to write if it passes ({'PATCH.diff': text})."""
+    from . import checks, pr
 
     staged = stage_source(described, tree)
     diff = staged.diff()
-    diff_path = out / "PATCH.diff"
+    work.mkdir(parents=True, exist_ok=True)
+    diff_path = work / "PATCH.diff"
     diff_path.write_text(diff, encoding="utf-8")
     result.diff = {
         "lines": diff.count("\n"),
@@ -209,31 +249,33 @@ def _stage_into(result, patch, described: Description, tree, out, work, models, 
     check = checks.git_apply(repo, diff_path, check=True)
     if check.returncode:
         result.error = f"git apply --check failed: {check.stderr.strip()[-1500:]}"
-        return
+        return {}
     applied = checks.git_apply(repo, diff_path, check=False)
     if applied.returncode:
         result.error = f"git apply failed: {applied.stderr.strip()[-1500:]}"
-        return
+        return {}
     if "offset" in applied.stderr:
         result.error = f"git apply needed offsets: {applied.stderr.strip()[-500:]}"
-        return
+        return {}
     changes = checks.git_changes(repo)
     expected = {p: "??" for p in staged.new_files} | {p: "M" for p in staged.changed_files}
     if changes != expected:
         result.error = f"git apply changed {changes}, expected {expected}"
-        return
+        return {}
     result.applies = True
+    pr.check(described, diff, [stock for stock, _ in staged.changed_files.values()])
     if not run:
-        return
+        return {"PATCH.diff": diff}
     tests = checks.staged_tests(repo, list(described.tests.values()), described.switch_module, work / "pytest")
-    result.tests = _summary(tests, ("exit_code", "seconds", "counts", "passed", "failed", "enabled_at_import",
-                                    "isolation", "blocked_imports", "mlx_vlm_file"))
+    result.tests = _summary(tests, ("exit_code", "seconds", "counts", "passed", "failed", "outcomes",
+                                    "enabled_at_import", "isolation", "blocked_imports", "mlx_vlm_file"))
     if described.fast_path:
         plugin = checks.plugin_logits(tree, models, patch.name, described.package, work / "plugin",
                                       described.equivalence, plugin_fast_path(described))
         staged_run = checks.staged_logits(repo, models, described.switch, described.switch_module,
                                           described.fast_path, work / "staged", described.equivalence)
         result.equivalence = _equivalence(patch, plugin, staged_run, work, described.gpu_only)
+    return {"PATCH.diff": diff}
 
 
 def plugin_fast_path(described: Description) -> Optional[str]:
@@ -272,6 +314,7 @@ def _equivalence(patch, plugin: Dict, staged: Dict, work: Path, gpu_only: bool =
     summary["served_when_off"] = staged.get("fast_path_off", {}).get("served", 0)
     summary["enabled_at_import"] = staged.get("enabled_at_import")
     summary["kind"] = staged.get("equivalence", "logits")
+    summary["case_specs"] = staged.get("cases")
     summary["isolation"] = staged.get("isolation")
     summary["blocked_imports"] = staged.get("blocked_imports")
     summary["ok"] = (
@@ -358,8 +401,7 @@ def table(results: List[Result]) -> str:
             eq_cell = f"{'bitwise' if eq['ok'] else 'DIFFER'} {same}/{len(eq['cases'])}, {eq['served']} served"
         else:
             eq_cell = "ERROR"
-        verdict = "ok" if r.ok else ("FAILED: " + (r.error or tests.get("error", "") or eq.get("error", "")
-                                                  or "see stage.json").strip().splitlines()[-1][:120])
+        verdict = "ok" if r.ok else f"FAILED: {r.why[:120]}"
         if r.drift:
             verdict += f" (drift: {len(r.drift)} upstream objects never verified)"
         rows.append((r.patch, r.pin, "applies" if r.applies else "DOES NOT APPLY",
@@ -371,9 +413,23 @@ def table(results: List[Result]) -> str:
 # -- command line ----------------------------------------------------------------------------------
 
 
+def missing(run: bool) -> str:
+    """What stage needs and this environment lacks, as one line ('' when nothing)."""
+    if shutil.which("git") is None:
+        return "git is not on PATH, and stage applies the diff with it: install git"
+    if run and importlib.util.find_spec("pytest") is None:
+        return ("pytest is not installed here, and the staged tests run under it: "
+                "pip install 'glm53-patches[stage]' (or pass --no-run to stop after git apply)")
+    return ""
+
+
 def run_command(args) -> int:
     if bool(args.patch) == bool(args.all):
         print("stage: name one patch, or --all", file=sys.stderr)
+        return 2
+    lacking = missing(run=not args.no_run)
+    if lacking:
+        print(f"stage: {lacking}", file=sys.stderr)
         return 2
     if args.upstream:
         trees = {_tree_version(Path(args.upstream)): Path(args.upstream)}
@@ -391,7 +447,8 @@ def run_command(args) -> int:
     summary = Path(args.out) / "summary.json"
     summary.parent.mkdir(parents=True, exist_ok=True)
     summary.write_text(json.dumps([asdict(r) for r in results], indent=1, default=str) + "\n")
-    print(f"wrote {args.out}/ (PATCH.diff, PR.md, stage.json per patch and pin; summary.json)")
+    print(f"wrote {args.out}/: per patch and pin, stage.json, and where the stage passed PATCH.diff, "
+          "EVIDENCE.md and SUMMARY.md (a draft for a person to rewrite); summary.json")
     if not args.all and not results[0].stageable:
         return 2
     return 0 if all(r.ok for r in results) else 1
@@ -401,7 +458,7 @@ def add_arguments(parser):
     parser.add_argument("patch", nargs="?", help="the patch to stage (or --all)")
     parser.add_argument("--all", action="store_true", help="every patch, and print a table")
     parser.add_argument("--upstream", help="an mlx-vlm source tree (default: each pinned release's wheel)")
-    parser.add_argument("--out", required=True, help="where PATCH.diff, PR.md and stage.json go")
+    parser.add_argument("--out", required=True, help="where PATCH.diff, EVIDENCE.md, SUMMARY.md and stage.json go")
     parser.add_argument("--pin", action="append", help="only this pinned mlx-vlm version (repeatable)")
     parser.add_argument("--no-run", action="store_true", help="only generate and git-apply; run no tests")
     parser.add_argument("--cache", default=str(default_cache()), help="where pinned wheels and tiny models are kept")

@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -13,12 +12,61 @@ from typing import Dict, List, Optional
 RUNNER = Path(__file__).with_name("runner.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds glm53_patches/
 GIT = ["git", "-c", "user.name=glm53-stage", "-c", "user.email=stage@localhost", "-c", "commit.gpgsign=false"]
+PACKAGE = "glm53_patches"
 
 
-def site_packages() -> List[str]:
-    """This interpreter's site-packages (mlx, pytest, ...), without running .pth files."""
-    paths = sysconfig.get_paths()
-    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+def site_path() -> List[str]:
+    """The folders ``site`` puts on sys.path here: user site (where enabled), site-packages,
+    and the folders their .pth files name. No .pth ``import`` line runs (that is the point of -S)."""
+    import site
+
+    folders = ([site.getusersitepackages()] if site.ENABLE_USER_SITE else []) + site.getsitepackages()
+    owned = owned_names()
+    path = []
+    for folder in folders:
+        if not os.path.isdir(folder) or folder in path:
+            continue
+        path.append(folder)
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".pth") or name in owned:  # an editable install's .pth names our source
+                continue
+            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                lines = [line.strip() for line in f]
+            entries = [os.path.join(folder, line) for line in lines
+                       if line and not line.startswith(("#", "import ", "import\t"))]
+            path += [e for e in entries if os.path.isdir(e) and e not in path]
+    return path
+
+
+def owned_names() -> set:
+    """Top-level names that the installed glm53-patches put in its site folder (its RECORD:
+    the package, its .dist-info, the bootstrap .pth, an editable install's .pth), and the package."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("glm53-patches").files or []
+    except metadata.PackageNotFoundError:
+        files = []
+    return {PACKAGE} | {f.parts[0] for f in files if f.parts and f.parts[0] != ".."}
+
+
+def isolated_path(work: Path) -> List[str]:
+    """site_path() without glm53-patches: a folder that holds any of its names is replaced
+    by a folder of links to everything else in it (mlx, pytest, mlx-vlm's dependencies)."""
+    owned = owned_names()
+    path = []
+    for folder in site_path():
+        names = os.listdir(folder)
+        if owned.isdisjoint(names):
+            path.append(folder)
+            continue
+        Path(work).mkdir(parents=True, exist_ok=True)
+        view = Path(tempfile.mkdtemp(prefix=f"{Path(folder).name}-", dir=work))
+        for name in names:
+            if name not in owned:
+                (view / name).symlink_to(Path(folder) / name)
+        path.append(str(view))
+    return path
 
 
 def clean_environment(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -83,7 +131,7 @@ def staged_tests(repo: Path, tests: List[str], switch_module: Optional[str], wor
     """The staged tests, run in the applied tree with glm53_patches unimportable."""
     job = {
         "task": "pytest", "isolated": True, "tree": str(repo),
-        "path": [str(repo)] + site_packages(),
+        "path": [str(repo)] + isolated_path(work),
         "tests": [str(repo / t) for t in tests], "switch_module": switch_module,
     }
     return run_isolated(job, work, env=clean_environment())
@@ -94,7 +142,7 @@ def staged_logits(repo: Path, models: Dict[str, str], switch: Optional[str], swi
     """Greedy logits of the tiny checkpoints in the applied tree, switch on (then off)."""
     job = {
         "task": "logits", "isolated": True, "tree": str(repo), "equivalence": equivalence,
-        "path": [str(repo)] + site_packages(), "models": models,
+        "path": [str(repo)] + isolated_path(work), "models": models,
         "switch_module": switch_module, "fast_path": fast_path, "arrays": str(work / "staged.safetensors"),
     }
     return run_isolated(job, work, env=clean_environment({switch: "1"} if switch else {}))
@@ -110,7 +158,7 @@ def plugin_logits(tree: Path, models: Dict[str, str], name: str, package: str, w
     job = {
         "task": "logits", "isolated": False, "tree": str(tree), "equivalence": equivalence,
         "plugin_module": fast_path,
-        "path": [str(tree), str(REPO_ROOT)] + site_packages(), "models": models,
+        "path": [str(tree), str(REPO_ROOT)] + site_path(), "models": models,
         "plugin": {"name": name, "package": package}, "arrays": str(work / "plugin.safetensors"),
     }
     state = tempfile.mkdtemp(prefix="glm53-stage-state-")
@@ -130,16 +178,21 @@ def bitwise_equal(a, b) -> bool:
 
 
 def compare_logits(plugin_file: Path, staged_file: Path) -> Dict:
-    """Per case: staged == plugin, switch off == stock, and staged == stock."""
+    """Per case: staged == plugin, switch off == stock, staged == stock, and how far staged is from stock."""
     import mlx.core as mx
 
     plugin, staged = mx.load(str(plugin_file)), mx.load(str(staged_file))
     cases = sorted(k.split("/", 1)[1] for k in plugin if k.startswith("plugin/"))
-    result = {"cases": cases, "staged_equals_plugin": {}, "off_equals_stock": {}, "staged_equals_stock": {}}
+    result = {"cases": cases, "staged_equals_plugin": {}, "off_equals_stock": {}, "staged_equals_stock": {},
+              "max_abs_diff_vs_stock": {}, "tokens_equal_stock": {}}
     for case in cases:
-        result["staged_equals_plugin"][case] = bitwise_equal(plugin[f"plugin/{case}"], staged[f"staged/{case}"])
-        result["staged_equals_stock"][case] = bitwise_equal(plugin[f"stock/{case}"], staged[f"staged/{case}"])
+        stock, on = plugin[f"stock/{case}"], staged[f"staged/{case}"]
+        result["staged_equals_plugin"][case] = bitwise_equal(plugin[f"plugin/{case}"], on)
+        result["staged_equals_stock"][case] = bitwise_equal(stock, on)
         if f"off/{case}" in staged:
-            result["off_equals_stock"][case] = bitwise_equal(plugin[f"stock/{case}"], staged[f"off/{case}"])
+            result["off_equals_stock"][case] = bitwise_equal(stock, staged[f"off/{case}"])
+        if stock.shape == on.shape:
+            result["max_abs_diff_vs_stock"][case] = mx.abs(stock.astype(mx.float32) - on.astype(mx.float32)).max().item()
+            result["tokens_equal_stock"][case] = bool(mx.array_equal(mx.argmax(stock, -1), mx.argmax(on, -1)).item())
         result.setdefault("tokens", {})[case] = int(plugin[f"plugin/{case}"].shape[0])
     return result

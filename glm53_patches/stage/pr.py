@@ -1,14 +1,29 @@
-"""PR.md: the pull request text, from PATCH.md, verify records, bench results and the staging run."""
+"""The pull request material of one staged patch: EVIDENCE.md and SUMMARY.md.
 
-import json
+mlx and mlx-lm do not accept AI-written pull request descriptions, so stage
+writes no description: EVIDENCE.md holds the facts (the diff, the staged
+tests and their results, the equivalence check, the measurements of this
+change from PATCH.md, each with its backend and hardware) and SUMMARY.md a
+short factual draft from upstream.py's SUMMARY, for a person to rewrite.
+
+Both are for an mlx-vlm maintainer, so the text written into them is checked
+(``check``): no mention of the plugin, no first person, no run that did not
+complete, and every `code` span names something in the diff or in the files
+it changes.
+"""
+
+import platform
 import re
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Tuple
 
-from .. import verify_records
 from .source import StageError
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench-results"
+PATCHES = Path(__file__).resolve().parents[1] / "patches"
+FIRST_PERSON = re.compile(r"\b(I|[Mm]e|[Mm]y|[Mm]ine|[Ww]e|[Oo]urs?)\b")
+NOT_A_RESULT = re.compile(r"did not finish|killed|crash|refused|timed out|not run|not timed|abandoned|skipped", re.I)
+REWRITE = ("Draft for a person to rewrite in their own words before opening the pull request: mlx and "
+           "mlx-lm do not accept AI-written descriptions. The facts it rests on are in EVIDENCE.md.")
 
 
 def sections(markdown: str) -> List[Tuple[str, str]]:
@@ -35,138 +50,231 @@ def pick(markdown: str, wanted: str, where: str) -> Tuple[str, str]:
     raise StageError(f"{where}: PATCH.md has no section starting with {wanted!r}")
 
 
-def _demote(body: str) -> str:
-    """Headings inside a picked section go one level down."""
-    return re.sub(r"^(#{3,})", r"#\1", body, flags=re.M)
+def _cells(line: str) -> List[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
-def verify_lines(name: str) -> List[str]:
-    """Every `glm53-patches verify` record of this patch on this machine."""
-    lines = []
-    for key, result in sorted(verify_records.load().items()):
-        patch, backend, mlx, mlx_vlm = (key.split("|") + ["", "", ""])[:4]
-        if patch != name:
-            continue
-        verdict = "exact" if result.get("passed") else f"FAILED (max |diff| {result.get('max_abs_diff')})"
-        lines.append(
-            f"- {result.get('date', 'undated')}, {backend}, {mlx}, {mlx_vlm}: **{verdict}**, "
-            f"{result.get('cases')} cases in {result.get('seconds')} s; {result.get('detail', '')}"
-        )
-    return lines
+def _quoted(excerpt: str, body: str, where: str):
+    """Refuse an excerpt that is not in the section: a table line must be the leading cells
+    of one of its table lines (so a table may be cut after any column); other text, paragraph
+    by paragraph, must occur in it (runs of whitespace compared as one space)."""
+    rows = [_cells(line) for line in body.splitlines() if line.strip().startswith("|")]
+    prose = " ".join(body.split())
+    for paragraph in re.split(r"\n\s*\n", excerpt.strip()):
+        for line in paragraph.splitlines() if paragraph.lstrip().startswith("|") else [paragraph]:
+            if line.lstrip().startswith("|"):
+                cells = _cells(line)
+                found = any(row[:len(cells)] == cells for row in rows)
+            else:
+                found = " ".join(line.split()) in prose
+            if not found:
+                raise StageError(f"{where}: not in PATCH.md: {' '.join(line.split())[:120]!r}")
 
 
-def bench_lines(name: str, folder: Path = None) -> List[str]:
-    """Results from bench-results/*.json that have an arm running this patch alone."""
-    folder = BENCH_DIR if folder is None else folder
-    lines = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            results = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            lines.append(f"- `{path.name}`: unreadable ({exc})")
-            continue
-        arms = results.get("arms", {}) if isinstance(results, dict) else {}
-        labels = [label for label, arm in arms.items() if isinstance(arm, dict) and arm.get("patches") == [name]]
-        if not labels:
-            continue
-        label = labels[0]
-        device, model, arm_state = results.get("device", {}), results.get("model", {}), arms[label]
-        hits = {k.rsplit(".", 1)[1]: v for k, v in arm_state.get("counters", {}).items() if ".hits." in k}
-        lines.append(
-            f"- `bench-results/{path.name}` ({results.get('date', 'undated')}): {device.get('backend')} "
-            f"{device.get('device_name', '')}, mlx {device.get('mlx')}, mlx-vlm {device.get('mlx_vlm')}; model "
-            f"{model.get('preset')} {model.get('layers')} layers, hidden {model.get('hidden_size')}, "
-            f"{model.get('dtype')}; verdict: {results.get('verdicts', {}).get(label, 'none')}; "
-            f"fast-path hits: {', '.join(f'{k} {v}' for k, v in sorted(hits.items())) or 'none'}"
-        )
-        measured = [(f"decode at context {c}", e, "ms/token") for c, e in results.get("decode", {}).items()]
-        measured += [(key, e, e.get("unit", "ms")) for key, e in results.get("layers", {}).items()]
-        for what, entry, unit in measured:
-            stock, arm = entry.get("arms", {}).get("stock"), entry.get("arms", {}).get(label)
-            if stock and arm:  # medians of rounds, in the file's unit (bench writes ms)
-                lines.append(
-                    f"  - {what}: stock {stock['median']:.3f} {unit}, patched {arm['median']:.3f} {unit} "
-                    f"({arm.get('ratio_vs_stock', 0):.2f}x; patched range {arm['min']:.3f}-{arm['max']:.3f}"
-                    + (f"; {entry['rounds']} rounds x {entry['steps']} steps" if "rounds" in entry and "steps" in entry else "")
-                    + ")"
-                )
-    return lines
-
-
-def render(described, patch, result: Dict) -> str:
-    """The PR text for one staged (patch, upstream tree)."""
+def measurements(described) -> List[Tuple[str, str, str]]:
+    """[(label, PATCH.md heading, excerpt)] of upstream.py's MEASURED, each checked against PATCH.md."""
     markdown = (described.folder / "PATCH.md").read_text(encoding="utf-8")
-    title = described.title
-    diff = result["diff"]
-    out = [f"# {title}", "", patch.summary, ""]
-    if described.switch:
-        out += [
-            f"Opt-in: `{described.switch}=1` turns it on; unset (the default), mlx-vlm runs exactly "
-            "today's code.",
-            "",
-        ]
-    out += [
-        f"Staged against mlx-vlm {result['pin']} ({result['tree_source']}) on {result['date']}. "
-        f"Diff: {len(diff['files'])} files, +{diff['added']}/-{diff['removed']} lines "
-        f"({diff['lines']} lines, {diff['bytes']} bytes of `PATCH.diff`).",
-        "",
-    ]
-    out += [f"- `{path}` ({status})" for path, status in diff["files"].items()]
-    out += [""]
-    if result.get("drift"):
-        out += [
-            "**Note:** this tree differs from every mlx-vlm release the patch was verified against in: "
-            + ", ".join(f"`{target}`" for target in result["drift"]) + ".",
-            "",
-        ]
-    for heading, wanted in described.pr_sections:
-        out += [f"## {heading}", ""]
-        for name in wanted:
-            _, body = pick(markdown, name, described.name)
-            out += [_demote(body), ""]
+    found = []
+    for label, section, excerpt in described.measured:
+        heading, body = pick(markdown, section, described.name)
+        _quoted(excerpt, body, f"{described.name}: MEASURED ({heading})")
+        found.append((label, heading, excerpt.strip()))
+    return found
 
-    out += ["## Exactness evidence", ""]
-    tests = result.get("tests") or {}
-    if tests:
-        out.append(
-            f"- Tests added (`{', '.join(described.tests.values())}`): {tests.get('passed', 0)} passed, "
-            f"{len(tests.get('failed', []))} failed, {tests.get('counts', {}).get('skipped', 0)} skipped in "
-            f"{tests.get('seconds')} s on {result['backend']} (mlx {result['mlx']}), in the patched tree."
-        )
-    equivalence = result.get("equivalence") or {}
-    if equivalence.get("cases"):
-        tokens = ", ".join(f"{c} {n} tokens" for c, n in equivalence["tokens"].items())
-        on = "bit-identical to" if all(equivalence["staged_equals_stock"].values()) else "DIFFERENT from"
-        off = "bit-identical to" if all(equivalence["off_equals_stock"].values()) else "DIFFERENT from"
-        plugin = "the same, bit for bit, as" if all(equivalence["staged_equals_plugin"].values()) else "DIFFERENT from"
-        if described.equivalence == "warm-cold":
-            out.append(
-                f"- Greedy decoding of a small random-weight glm5_next checkpoint ({tokens}) from a prompt cache "
-                f"written to and read back from a `DiskBlockStore` entry, in the patched tree: with the switch on "
-                f"the logits are {on} the cold run that never left memory ({equivalence['served']} entries "
-                f"took the new path), with it off (stock APC) {off} it, and {plugin} the glm53-patches plugin's "
-                f"copy of this code on the released mlx-vlm {result['pin']}."
-            )
+
+def check(described, diff: str, changed: Iterable[str]):
+    """Refuse text for a maintainer that speaks of the plugin or of what is not in the change.
+
+    ``changed``: the stock text of each file the diff changes.
+    """
+    known = diff + "\n".join(changed)
+    others = sorted(p.name for p in PATCHES.iterdir() if (p / "__init__.py").is_file() and p.name not in diff)
+    texts = [("SUMMARY", described.summary)] + [  # a label and its excerpt together
+        (f"MEASURED ({section})", f"{label}\n{excerpt}") for label, section, excerpt in described.measured]
+    for where, text in texts:
+        where = f"{described.name}: {where}"
+        problems = []
+        if re.search("glm53", text, re.I):
+            problems.append("names the plugin")
+        problems += [f"first person ({m.group(0)!r})" for m in FIRST_PERSON.finditer(text)]
+        if where.startswith(f"{described.name}: MEASURED"):
+            problems += [f"a run without a result ({m.group(0)!r})" for m in NOT_A_RESULT.finditer(text)]
+        problems += [f"`{span}` is in neither the diff nor the files it changes"
+                     for span in re.findall(r"`([^`\n]+)`", text) if span not in known]
+        problems += [f"names {name}, which is not in the diff" for name in others if re.search(rf"\b{name}\b", text)]
+        if problems:
+            raise StageError(f"{where}: {'; '.join(problems)}")
+    measurements(described)
+
+
+# -- EVIDENCE.md -------------------------------------------------------------------------------
+
+
+def _per_file(diff: str) -> Dict[str, Tuple[int, int]]:
+    """{path: (added, removed)} from a git-style diff."""
+    counts, current = {}, None
+    for line in diff.splitlines():
+        if line.startswith("diff --git a/"):
+            current = line.split(" b/", 1)[1]
+            counts[current] = (0, 0)
+        elif current and line.startswith("+") and not line.startswith("+++"):
+            counts[current] = (counts[current][0] + 1, counts[current][1])
+        elif current and line.startswith("-") and not line.startswith("---"):
+            counts[current] = (counts[current][0], counts[current][1] + 1)
+    return counts
+
+
+def _backend(result: Dict) -> str:
+    return {"cpu": "the CPU", "cuda": "CUDA", "metal": "Metal"}.get(result["backend"], result["backend"])
+
+
+def _machine(result: Dict) -> str:
+    return (f"{_backend(result)} backend, mlx {result['mlx']}, Python {platform.python_version()}, "
+            f"{platform.system()} {platform.machine()}")
+
+
+def _tests(described, result: Dict) -> List[str]:
+    tests = result["tests"]
+    counts = tests.get("counts", {})
+    switch = f" with `{described.switch}` unset" if described.switch else ""
+    out = [
+        "## Staged tests",
+        "",
+        f"The tests this change adds ({', '.join(f'`{t}`' for t in described.tests.values())}), run with "
+        f"pytest in the patched tree{switch}, on {_machine(result)}, in an interpreter whose import path "
+        "holds the patched tree, the standard library and mlx-vlm's installed dependencies only: "
+        f"**{tests.get('passed', 0)} passed, {len(tests.get('failed') or [])} failed, "
+        f"{counts.get('skipped', 0)} skipped** in {tests.get('seconds')} s.",
+        "",
+        "| test | result |",
+        "|---|---|",
+    ]
+    modules = [path[:-3].replace("/", ".") for path in described.tests.values()]
+    for name, outcome in tests.get("outcomes", {}).items():  # "module[.Class]::test" -> "[Class::]test"
+        module = next((m for m in modules if name.startswith(m)), "")
+        out.append(f"| `{name[len(module):].lstrip('.:') if len(modules) == 1 else name}` | {outcome} |")
+    return out + [""]
+
+
+def _yes(flag) -> str:
+    return "yes" if flag else "**no**"
+
+
+def _equivalence(described, patch, result: Dict, checkpoints: Dict[str, str]) -> List[str]:
+    eq = result["equivalence"]
+    specs = eq.get("case_specs") or {}
+    warm = described.equivalence == "warm-cold"
+    out = ["## Equivalence check", ""]
+    if warm:
+        out += [
+            "Greedy decoding of small random-weight glm5_next checkpoints in the patched tree: each prompt "
+            "prefilled in two parts, with the cache after the first part written to a `DiskBlockStore` "
+            "entry and read back before the second (switch on: the new entry format; off: the current one), "
+            "compared bit for bit (the logits of every step) with the same prefill kept in memory.",
+        ]
+    else:
+        out += [
+            "Greedy decoding of small random-weight glm5_next checkpoints in the patched tree, with the switch "
+            "on and with it off, compared bit for bit (the logits of every step) with the same run of the "
+            f"unpatched mlx-vlm {result['pin']}.",
+        ]
+    out += ["", "Checkpoints: " + "; ".join(f"`{name}`: {text}" for name, text in checkpoints.items()) + ".", ""]
+    reference = "in memory" if warm else "unpatched"
+    columns = ["case", "checkpoint", "prompt tokens"] + (["restored after"] if warm else []) + [
+        "steps", f"switch on = {reference}", f"switch off = {reference}"]
+    exact = patch.numerics == "exact"
+    if not exact:
+        columns += ["max abs logit difference, switch on", "same greedy tokens"]
+    out += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for case in eq["cases"]:
+        spec = specs.get(case, {})
+        row = [case, f"`{spec.get('checkpoint', '?')}`", ", ".join(map(str, spec.get("prompt_tokens", [])))]
+        row += [str(spec.get("restored_after"))] if warm else []
+        row += [str(eq["tokens"][case]), _yes(eq["staged_equals_stock"][case]), _yes(eq["off_equals_stock"].get(case))]
+        if not exact:
+            row += [f"{eq['max_abs_diff_vs_stock'].get(case, float('nan')):.3g}", _yes(eq["tokens_equal_stock"].get(case))]
+        out.append("| " + " | ".join(row) + " |")
+    out.append("")
+    path = f"`{described.fast_path.replace(':', '.')}`"
+    if described.gpu_only and result["backend"] == "cpu":
+        out.append(f"On the CPU the new path declines every call (its kernel is for GPUs): {path} was reached "
+                   f"{eq['declined']} times and handed each call to the current code; so on this backend the "
+                   "check shows that the switch leaves the CPU path unchanged, not the kernel.")
+    else:
+        out.append(f"With the switch on, {path} served {eq['served']} calls; with it off, {eq['served_when_off']}.")
+    if not exact:
+        out.append("Switched on, the outputs are not bit-identical by design (a numerics-changing change): "
+                   "the quality measurements are below.")
+    return out + [""]
+
+
+def evidence(described, patch, result: Dict, diff: str, checkpoints: Dict[str, str]) -> str:
+    """EVIDENCE.md for one staged (patch, tree)."""
+    stats = result["diff"]
+    out = [
+        f"# Evidence: {described.title}",
+        "",
+        f"mlx-vlm {result['pin']} ({result['tree_source']}), staged on {result['date']}; tests and checks run on "
+        f"{_machine(result)}. SUMMARY.md is a draft of the description, for a person to rewrite.",
+        "",
+        "## Diff",
+        "",
+        f"`PATCH.diff`: {len(stats['files'])} files, +{stats['added']}/-{stats['removed']} lines "
+        f"({stats['lines']} lines, {stats['bytes']} bytes). `git apply --check`, then `git apply`, on a clean "
+        f"git copy of mlx-vlm {result['pin']}'s `mlx_vlm/`: applied with no offset and no fuzz, and changed "
+        "exactly these files:",
+        "",
+        "| file | status | added | removed |",
+        "|---|---|---:|---:|",
+    ]
+    per_file = _per_file(diff)
+    out += [f"| `{path}` | {status} | {per_file[path][0]} | {per_file[path][1]} |"
+            for path, status in result["diff"]["files"].items()]
+    out.append("")
+    if result.get("drift"):
+        out += ["Upstream code this change hooks or relies on differs in this tree from the releases it was "
+                "checked on: " + ", ".join(f"`{target}`" for target in result["drift"]) + ".", ""]
+    out += _tests(described, result)
+    if result.get("equivalence"):
+        out += _equivalence(described, patch, result, checkpoints)
+    out += ["## Measurements", ""]
+    found = measurements(described)
+    if found:
+        out += ["Recorded with the change (from its notes, not re-run by this stage run); each names its backend "
+                "and hardware.", ""]
+    for label, heading, excerpt in found:
+        out += [f"**{label}**", "", excerpt, ""]
+    if not found:
+        out += ["None recorded for this change.", ""]
+    return "\n".join(out)
+
+
+# -- SUMMARY.md --------------------------------------------------------------------------------
+
+
+def summary(described, patch, result: Dict) -> str:
+    """SUMMARY.md: a short factual draft of the description, marked for a person to rewrite."""
+    out = [f"# {described.title}", "", f"> {REWRITE}", "", described.summary, ""]
+    if described.switch:
+        out += [f"Off by default: `{described.switch}=1` turns it on; unset, mlx-vlm runs its current code.", ""]
+    eq = result.get("equivalence") or {}
+    if eq.get("cases"):
+        reference = "the same prefill kept in memory" if described.equivalence == "warm-cold" else "the current code"
+        cases = len(eq["cases"])
+        differ = [c for c in eq["cases"] if not eq["staged_equals_stock"][c]]
+        if not differ:
+            checked = f"greedy decoding gave logits bit-identical to those of {reference} in all {cases} cases"
         else:
-            out.append(
-                f"- Greedy decoding of a small random-weight glm5_next checkpoint ({tokens}), in the patched tree: "
-                f"with the switch on the logits are {on} today's code ({equivalence['served']} calls took the new "
-                f"path), with it off {off} today's code, and {plugin} the glm53-patches plugin running this code "
-                f"on the released mlx-vlm {result['pin']}."
-            )
-    records = verify_lines(described.name)
-    out += records or [
-        "- No `glm53-patches verify` record on this machine yet (GPU backends are verified on the user's "
-        "machine with `glm53-patches verify " + described.name + "`)."
-    ]
-    out += ["", "## Measured effect (benchmarks)", ""]
-    out += bench_lines(described.name) or ["No `bench-results/*.json` with this patch alone yet."]
-    out += [
-        "",
-        "---",
-        f"Generated by `glm53-patches stage {described.name}` from the glm53-patches plugin "
-        f"(`{described.package}`), which runs the same code in released mlx-vlm versions. "
-        "The sections above are taken from its PATCH.md and may name the plugin's own switches and counters.",
-        "",
-    ]
+            same_tokens = sum(bool(eq["tokens_equal_stock"].get(c)) for c in eq["cases"])
+            largest = max(eq["max_abs_diff_vs_stock"].get(c, float("nan")) for c in differ)
+            checked = (f"the logits differed from those of {reference} in {len(differ)} of {cases} cases "
+                       f"(largest difference {largest:.2g}), with the same greedy tokens in {same_tokens} of {cases}")
+        if described.gpu_only and result["backend"] == "cpu":
+            checked += " (the new path declines every call there)"
+        off_same = sum(bool(v) for v in eq["off_equals_stock"].values())
+        off = (f"logits bit-identical to those of {reference} in all {cases} cases" if off_same == cases
+               else f"logits NOT bit-identical to those of {reference} in {cases - off_same} of {cases} cases")
+        out += [f"Checked here on {_backend(result)} (mlx {result['mlx']}, mlx-vlm {result['pin']}): with the "
+                f"switch on, {checked}; with it off, {off}.", ""]
+    out += ["Files:", ""] + [f"- `{path}` ({status})" for path, status in result["diff"]["files"].items()] + [""]
     return "\n".join(out)

@@ -75,23 +75,24 @@ class _Blocker(importlib.abc.MetaPathFinder):
 
 
 def _isolate(job, report):
+    """The job's path must not reach glm53_patches at all (checks.isolated_path leaves it out);
+    then block it anyway, to record any attempt."""
+    from importlib import metadata
+
     leaked = sorted(k for k in os.environ if k.startswith("GLM53_"))
-    # An installed wheel or editable install may leave a data-only folder
-    # (upstream_pins.txt) on site-packages: a namespace package with no code.
     spec = importlib.util.find_spec("glm53_patches")
-    code = []
-    if spec is not None:
-        code += [spec.origin] if spec.origin else []
-        for folder in spec.submodule_search_locations or []:
-            code += sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py"))
+    try:
+        installed = str(metadata.distribution("glm53-patches").locate_file(""))
+    except metadata.PackageNotFoundError:
+        installed = None
     report["isolation"] = {
         "glm53_variables": leaked,
-        "glm53_patches_code": code,
+        "glm53_patches_found": None if spec is None else (spec.origin or list(spec.submodule_search_locations or [])),
+        "glm53_patches_installed": installed,
         "site_imported": "site" in sys.modules,
-        "bootstrap_imported": "glm53_patches._bootstrap" in sys.modules,
         "sys_path": list(sys.path),
     }
-    if leaked or code or "site" in sys.modules:
+    if leaked or spec is not None or installed or "site" in sys.modules:
         raise SystemExit(f"not isolated: {report['isolation']}")
     blocker = _Blocker()
     sys.meta_path.insert(0, blocker)
@@ -133,18 +134,20 @@ def run_pytest(job, report):
     report["exit_code"] = int(pytest.main(args))
     report["seconds"] = round(time.perf_counter() - start, 2)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    failed = []
+    outcomes = {}  # test -> passed, failed, error or skipped
     if os.path.exists(junit):
         root = ElementTree.parse(junit).getroot()
         for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
             for key in counts:
                 counts[key] += int(suite.get(key, 0))
             for case in suite.iter("testcase"):
-                if case.find("failure") is not None or case.find("error") is not None:
-                    failed.append(f"{case.get('classname')}::{case.get('name')}")
+                found = [word for tag, word in (("failure", "failed"), ("error", "error"), ("skipped", "skipped"))
+                         if case.find(tag) is not None]
+                outcomes[f"{case.get('classname')}::{case.get('name')}"] = found[0] if found else "passed"
     report["counts"] = counts
     report["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    report["failed"] = failed
+    report["failed"] = [test for test, outcome in outcomes.items() if outcome in ("failed", "error")]
+    report["outcomes"] = outcomes
 
 
 # -- logits ------------------------------------------------------------------------------
@@ -271,7 +274,8 @@ def run_warm_cold(job, report, models, arrays):
             counts.update(served=0, declined=0)
             _warm_all(models, "off", arrays, restore)
             report["fast_path_off"] = dict(counts)
-    report["cases"] = {case: [len(spec[1]), spec[2], spec[3]] for case, spec in WARM_CASES.items()}
+    report["cases"] = {case: {"checkpoint": checkpoint, "prompt_tokens": [len(prompt)], "restored_after": split,
+                              "steps": steps} for case, (checkpoint, prompt, split, steps) in WARM_CASES.items()}
 
 
 def run_logits(job, report):
@@ -315,13 +319,17 @@ def run_logits(job, report):
             _decode_all(models, "off", arrays)
             report["fast_path_off"] = dict(counts)
     mx.save_safetensors(job["arrays"], arrays)
-    report["cases"] = {case: list(spec[1:]) for case, spec in CASES.items()}
+    report["cases"] = {case: {"checkpoint": checkpoint, "prompt_tokens": [len(p) for p in prompts], "steps": steps}
+                       for case, (checkpoint, prompts, steps) in CASES.items()}
 
 
 def main(job_path):
     with open(job_path) as f:
         job = json.load(f)
-    sys.path[:] = list(job["path"]) + [p for p in sys.path if p not in job["path"]]
+    # The standard library after the job's path; not this script's folder (in
+    # glm53_patches/stage/), which Python before 3.11 puts first even with -I.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = list(job["path"]) + [p for p in sys.path if p not in job["path"] and os.path.abspath(p) != here]
     report = {"task": job["task"]}
     blocker = None
     try:

@@ -30,7 +30,12 @@ A patch folder's ``upstream.py`` (pure data) says what the pull request is:
                  ``DiskBlockStore``; see ``runner.py``).
 ``GPU_ONLY``     optional ``True``: the fast path runs on GPUs only (a kernel);
                  on the CPU the staged hook must be reached and decline.
-``TITLE``, ``PR_SECTIONS``: the PR text (see ``pr.py``).
+``TITLE``, ``SUMMARY``, ``MEASURED``: the pull request material (see ``pr.py``):
+                 a title, a short factual summary in upstream terms (what the
+                 change does, where it is exact), and the measurements of this
+                 change, each ``(label, PATCH.md section, excerpt)``: the label
+                 starts with the backend (CPU, CUDA, Metal) and names the
+                 hardware; the excerpt is quoted from that section.
 
 A plugin module becomes an upstream module by these rules only:
 
@@ -85,7 +90,8 @@ class Description:
     hooks: Tuple[Dict[str, str], ...]
     tests: Dict[str, str]  # file in the folder -> mlx_vlm/tests/... path
     fast_path: Optional[str]
-    pr_sections: Tuple
+    summary: str
+    measured: Tuple[Tuple[str, str, str], ...]
     data: object = field(repr=False, default=None)
     text: Dict[str, str] = field(default_factory=dict)  # TEXT: substitutions inside string literals
     equivalence: str = "logits"  # EQUIVALENCE: which check the logits runs make
@@ -129,7 +135,7 @@ def describe(patch) -> Optional[Description]:
             return None
         raise
     folder = Path(data.__file__).parent
-    missing = [key for key in ("TITLE", "MODULES") if not hasattr(data, key)]
+    missing = [key for key in ("TITLE", "SUMMARY", "MODULES") if not hasattr(data, key)]
     if missing:
         raise StageError(f"{patch.name}: upstream.py does not define {', '.join(missing)}")
     modules = {}
@@ -155,7 +161,8 @@ def describe(patch) -> Optional[Description]:
         hooks=tuple(getattr(data, "HOOKS", ())),
         tests=tests,
         fast_path=getattr(data, "FAST_PATH", None),
-        pr_sections=tuple(getattr(data, "PR_SECTIONS", ())),
+        summary=data.SUMMARY.strip(),
+        measured=_measured(patch.name, getattr(data, "MEASURED", ())),
         data=data,
         text=dict(getattr(data, "TEXT", {})),
         equivalence=_equivalence_kind(patch.name, getattr(data, "EQUIVALENCE", "logits")),
@@ -164,6 +171,17 @@ def describe(patch) -> Optional[Description]:
 
 
 EQUIVALENCES = ("logits", "warm-cold")
+BACKENDS = ("CPU", "CUDA", "Metal")
+
+
+def _measured(name: str, entries) -> Tuple[Tuple[str, str, str], ...]:
+    for entry in entries:
+        if not (isinstance(entry, tuple) and len(entry) == 3 and all(isinstance(e, str) for e in entry)):
+            raise StageError(f"{name}: MEASURED entries are (label, PATCH.md section, excerpt): {entry!r}")
+        if not entry[0].startswith(BACKENDS):
+            raise StageError(f"{name}: MEASURED label {entry[0]!r} does not start with its backend "
+                             f"({', '.join(BACKENDS)})")
+    return tuple(entries)
 
 
 def _equivalence_kind(name: str, kind: str) -> str:

@@ -11,6 +11,7 @@ downloaded once per session into a temporary cache.
 import ast
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from glm53_patches import pins, stage, verify_records
-from glm53_patches.stage import checks, pr, source
+from glm53_patches import pins, stage
+from glm53_patches.stage import checks, pr, runner, source
 
 PINS = pins.mlx_vlm_versions()
 
@@ -268,7 +269,7 @@ def probe_description(**changes):
         modules={"glm53_patches.patches.probe.step": "mlx_vlm/models/glm5_next/probe.py",
                  "glm53_patches.kernels.helper": "mlx_vlm/models/glm5_next/probe_kernel.py"},
         plugin_only=("make_call",), replace={"KNOB": 'KNOB = os.environ.get("MLX_VLM_PROBE_KNOB")'},
-        hooks=(), tests={}, fast_path=None, pr_sections=(),
+        hooks=(), tests={}, fast_path=None, summary="", measured=(),
     )
     fields.update(changes)
     return source.Description(**fields)
@@ -407,18 +408,28 @@ def test_diff_of_a_file_without_final_newline_applies(tmp_path):
 
 
 def test_the_staged_interpreter_cannot_import_glm53_patches(tmp_path):
-    """The flags the staged runs use: no site, no .pth, glm53_patches not importable."""
+    """The staged runs' import path: mlx, mlx-vlm's dependencies and pytest, but no glm53-patches at all
+    (neither its package nor its metadata), in `python -I -S` (no .pth file runs)."""
+    path = checks.isolated_path(tmp_path / "work")
     probe = (
-        "import importlib.util, os, sys; sys.path[:0] = %r;"
-        "spec = importlib.util.find_spec('glm53_patches');"
-        "code = spec and (spec.origin or [f for d in spec.submodule_search_locations for f in os.listdir(d) if f.endswith('.py')]);"
-        "print(repr(code), 'site' in sys.modules)"
-    ) % (checks.site_packages(),)
+        "import importlib.util, sys; from importlib import metadata; sys.path[:0] = %r\n"
+        "try:\n    metadata.distribution('glm53-patches'); installed = True\n"
+        "except metadata.PackageNotFoundError:\n    installed = False\n"
+        "print(importlib.util.find_spec('glm53_patches'), installed, 'site' in sys.modules,"
+        " *(importlib.util.find_spec(m) is not None for m in ('mlx.core', 'pytest', 'transformers')))"
+    ) % (path,)
     env = checks.clean_environment()
     assert not [k for k in env if k.startswith("GLM53_")]
     done = subprocess.run([sys.executable, "-I", "-S", "-c", probe], env=env, cwd=tmp_path,
                           capture_output=True, text=True, check=True)
-    assert done.stdout.split() in (["None", "False"], ["[]", "False"])
+    assert done.stdout.split() == ["None", "False", "False", "True", "True", "True"], done.stdout
+    # This environment's site-packages holds glm53-patches' metadata (an editable or wheel install),
+    # so the staged path has a linked copy of it in its place, without those names.
+    holder = next(f for f in checks.site_path() if not checks.owned_names().isdisjoint(__import__("os").listdir(f)))
+    assert holder not in path
+    copy = next(Path(p) for p in path if Path(p).parent == tmp_path / "work")
+    assert (copy / "mlx").resolve() == (Path(holder) / "mlx").resolve()
+    assert not checks.owned_names() & {child.name for child in copy.iterdir()}
     # While the same interpreter with site (the .pth files) can import it:
     done = subprocess.run([sys.executable, "-c", "import glm53_patches.registry"], cwd=tmp_path)
     assert done.returncode == 0
@@ -447,7 +458,8 @@ def test_stage_applies_passes_and_matches_the_plugin(name, pin, releases, models
     assert tests["exit_code"] == 0, tests["output"]
     assert tests["counts"]["tests"] > 0 and tests["counts"]["tests"] == tests["passed"], tests["counts"]
     assert tests["failed"] == [] and tests["counts"]["skipped"] == 0
-    assert tests["isolation"]["glm53_patches_code"] == [] and not tests["isolation"]["site_imported"]
+    assert tests["isolation"]["glm53_patches_found"] is None and not tests["isolation"]["site_imported"]
+    assert tests["isolation"]["glm53_patches_installed"] is None
     assert tests["blocked_imports"] == []
     assert Path(tests["mlx_vlm_file"]).resolve().is_relative_to(repo.resolve())
     if described.switch:
@@ -463,7 +475,7 @@ def test_stage_applies_passes_and_matches_the_plugin(name, pin, releases, models
     assert plugin["equivalence"] == staged["equivalence"] == described.equivalence
     assert plugin["ok"], plugin.get("error")
     assert staged["ok"], staged.get("error")
-    assert staged["isolation"]["glm53_patches_code"] == [] and staged["blocked_imports"] == []
+    assert staged["isolation"]["glm53_patches_found"] is None and staged["blocked_imports"] == []
     assert staged["enabled_at_import"] is (True if described.switch else None)
     if described.gpu_only:  # a kernel: on the CPU the hook is reached and hands every call to stock
         assert staged["fast_path"]["served"] == 0 and staged["fast_path"]["declined"] > 0
@@ -527,7 +539,9 @@ def test_stage_all_prints_a_row_per_patch_and_pin(releases, cache, tmp_path, cap
         mine = [row for row in rows if row[0] == name]
         assert [row[1] for row in mine] == PINS and all(row[2] == "applies" for row in mine)
         for row, pin in zip(mine, PINS):
-            diff = (tmp_path / name / f"mlx-vlm-{pin}" / "PATCH.diff").read_text()
+            folder = tmp_path / name / f"mlx-vlm-{pin}"
+            diff = (folder / "PATCH.diff").read_text()
+            assert {f.name for f in folder.iterdir()} == {"PATCH.diff", "stage.json"}  # no tests ran: no evidence
             assert row[3:5] == [str(len(diff.splitlines())), str(len(diff.encode()))]
     for name, patch in stage.stageable().items():
         if name not in DESCRIBED:
@@ -536,38 +550,151 @@ def test_stage_all_prints_a_row_per_patch_and_pin(releases, cache, tmp_path, cap
     assert len(summary) == len(DESCRIBED) * len(PINS) + len(stage.stageable()) - len(DESCRIBED)
 
 
-def test_pr_text_has_its_sources(releases, tmp_path, monkeypatch):
-    name = next(iter(DESCRIBED))
-    patch, described = DESCRIBED[name]
-    record = {"exact": True, "passed": True, "max_abs_diff": 0.0, "cases": 7, "seconds": 1.5,
-              "date": "2031-02-03", "detail": "probe record for the PR text"}
-    verify_records.record(name, "metal", record)  # into this test's own state folder
-    bench = tmp_path / "bench-results"
-    bench.mkdir()
-    (bench / "run.json").write_text(json.dumps({
-        "date": "2031-04-05", "device": {"backend": "cuda", "device_name": "Probe GPU", "mlx": "9.9", "mlx_vlm": "8.8"},
-        "model": {"preset": "real", "layers": 45, "hidden_size": 4096, "dtype": "bfloat16"},
-        "arms": {"stock": {"patches": []}, name: {"patches": [name], "counters": {f"{name}.hits.call": 77}}},
-        "decode": {"4096": {"arms": {"stock": {"median": 20.0, "min": 19.0, "max": 21.0},
-                                     name: {"median": 10.0, "min": 9.0, "max": 11.0, "ratio_vs_stock": 2.0}}}},
-        "verdicts": {name: "ok (bit-identical)"},
-    }))
-    monkeypatch.setattr(pr, "BENCH_DIR", bench)
-    result = stage.stage(patch, releases[PINS[0]], tmp_path / "out", run=False, pin=PINS[0])
-    text = (tmp_path / "out" / "PR.md").read_text()
-    diff = (tmp_path / "out" / "PATCH.diff").read_text()
-    assert text.startswith(f"# {described.title}\n")
-    assert f"mlx-vlm {PINS[0]}" in text and f"{len(diff.splitlines())} lines, {len(diff.encode())} bytes" in text
-    if described.switch:
-        assert f"`{described.switch}=1`" in text
+FIRST_PERSON = re.compile(r"\b(I|[Mm]e|[Mm]y|[Ww]e|[Oo]ur)\b")
+
+
+def _cells(line):
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _in_patch_md(excerpt, markdown):
+    """An excerpt's table lines are the leading cells of a PATCH.md table line; its prose is in PATCH.md."""
+    cells = _cells
+    rows = [cells(line) for line in markdown.splitlines() if line.strip().startswith("|")]
+    flat = " ".join(markdown.split())
+    for paragraph in excerpt.strip().split("\n\n"):
+        if paragraph.startswith("|"):
+            assert all(any(row[:len(cells(line))] == cells(line) for row in rows) for line in paragraph.splitlines())
+        else:
+            assert " ".join(paragraph.split()) in flat, paragraph
+
+
+@pytest.mark.parametrize("name", DESCRIBED)
+def test_measurements_name_their_backend_and_come_from_patch_md(name):
+    _, described = DESCRIBED[name]
     markdown = (described.folder / "PATCH.md").read_text()
-    for heading, wanted in described.pr_sections:
-        assert f"## {heading}" in text
-        for part in wanted:
-            body = markdown.split(f"## {part}", 1)[1].split("\n## ", 1)[0]
-            first_paragraph = body.split("\n", 1)[1].strip().split("\n\n")[0]
-            assert first_paragraph in text
-    assert "2031-02-03" in text and "probe record for the PR text" in text and "metal" in text
-    assert "2031-04-05" in text and "Probe GPU" in text and "stock 20.000 ms/token" in text and "2.00x" in text
-    assert "call 77" in text
-    assert result.applies
+    for label, section, excerpt in described.measured:
+        assert label.split()[0] in ("CPU", "CUDA", "Metal"), label
+        assert f"## {section}" in markdown
+        _in_patch_md(excerpt, markdown)
+        for word in ("did not finish", "killed", "crash", "refused", "timed out", "not run", "not timed"):
+            assert word not in excerpt.lower()
+
+
+def _staged_test_names(described):
+    """The test functions of the staged test files (read from their source, not from a run)."""
+    names = set()
+    for source_file in described.tests:
+        tree = ast.parse((described.folder / source_file).read_text())
+        names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    return names
+
+
+@pytest.mark.parametrize("name", [n for n in ("compiled_kda_decode", "latent_prefill") if n in DESCRIBED])
+def test_a_passing_stage_writes_evidence_and_a_summary(name, releases, models, tmp_path):
+    """EVIDENCE.md carries the diff's own counts, every staged test with its result, the equivalence
+    cases and the quoted measurements; SUMMARY.md is marked for a person to rewrite. Neither speaks of
+    the plugin or in the first person."""
+    patch, described = DESCRIBED[name]
+    out = tmp_path / "out"
+    work = tmp_path / "work"
+    result = stage.stage(patch, releases[PINS[0]], out, models=models, pin=PINS[0], work=work)
+    assert result.ok, result.why
+    assert {f.name for f in out.iterdir()} == {"PATCH.diff", "EVIDENCE.md", "SUMMARY.md", "stage.json"}
+    evidence, summary = (out / "EVIDENCE.md").read_text(), (out / "SUMMARY.md").read_text()
+    diff = (out / "PATCH.diff").read_text()
+    for text in (evidence, summary):
+        assert "glm53" not in text.lower() and "plugin" not in text.lower()
+        assert not FIRST_PERSON.search(text), FIRST_PERSON.search(text)
+
+    files = diff_files(diff)
+    for path, chunk in zip(files, diff.split("diff --git ")[1:]):
+        lines = chunk.splitlines()
+        added = sum(1 for l in lines if l.startswith("+") and not l.startswith("+++"))
+        removed = sum(1 for l in lines if l.startswith("-") and not l.startswith("---"))
+        assert f"| `{path}` | {files[path]} | {added} | {removed} |" in evidence
+    assert f"{len(diff.splitlines())} lines, {len(diff.encode())} bytes" in evidence
+
+    rows = [line for line in evidence.split("## Staged tests", 1)[1].split("##", 1)[0].splitlines()
+            if line.startswith("| `test_")]
+    assert {row.split("`")[1].split("[")[0] for row in rows} == _staged_test_names(described)
+    assert all(row.endswith("| passed |") for row in rows)
+    assert f"**{len(rows)} passed, 0 failed, 0 skipped**" in evidence
+
+    # The equivalence rows against the logits files the runs left in the work folder.
+    plugin_arrays = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(work / "plugin" / "plugin.safetensors")).items()}
+    staged_arrays = {k: np.asarray(v.astype(mx.float32)) for k, v in mx.load(str(work / "staged" / "staged.safetensors")).items()}
+    section = evidence.split("## Equivalence check", 1)[1].split("## Measurements", 1)[0]
+    rows = {line.split(" | ")[0][2:]: _cells(line) for line in section.splitlines() if line.startswith("| ")}
+    assert set(rows) - {"case"} == set(runner.CASES)
+    for case, (checkpoint, prompts, steps) in runner.CASES.items():
+        stock, on, off = plugin_arrays[f"stock/{case}"], staged_arrays[f"staged/{case}"], staged_arrays[f"off/{case}"]
+        cells = rows[case]
+        assert cells[:4] == [case, f"`{checkpoint}`", ", ".join(str(len(p)) for p in prompts), str(steps)]
+        assert cells[4:6] == [("yes" if np.array_equal(stock, on) else "**no**"), "yes"] and np.array_equal(stock, off)
+        if patch.numerics == "exact":
+            assert cells[4] == "yes" and len(cells) == 6
+        else:  # how far the switch-on logits are, and whether the greedy tokens stay
+            assert float(cells[6]) == pytest.approx(np.abs(stock - on).max(), rel=0.01, abs=1e-12)
+            assert cells[7] == ("yes" if np.array_equal(stock.argmax(-1), on.argmax(-1)) else "**no**")
+
+    measured = evidence.split("## Measurements", 1)[1]
+    for label, _, excerpt in described.measured:
+        assert f"**{label}**" in measured and excerpt.strip() in measured
+
+    assert summary.startswith(f"# {described.title}\n")
+    assert "rewrite" in summary and "mlx-lm" in summary and "AI-written" in summary
+    assert described.summary in summary and f"`{described.switch}=1`" in summary
+    assert sorted(line[3:].split("`")[0] for line in summary.splitlines() if line.startswith("- `")) == sorted(files)
+    record = json.loads((out / "stage.json").read_text())
+    assert record["ok"] and record["written"] == ["EVIDENCE.md", "PATCH.diff", "SUMMARY.md", "stage.json"]
+
+
+def test_a_failed_stage_writes_only_stage_json(releases, models, tmp_path):
+    """Staged tests that cannot import: no diff, evidence or summary (and none left from before)."""
+    name = next(iter(DESCRIBED))
+    patch, _ = DESCRIBED[name]
+    tree = tmp_path / "tree"
+    subprocess.run(["cp", "-r", str(releases[PINS[0]]), str(tree)], check=True)
+    with open(tree / "mlx_vlm/models/glm5_next/config.py", "a") as f:
+        f.write("\nraise RuntimeError('broken on purpose')\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for stale in ("PATCH.diff", "EVIDENCE.md", "SUMMARY.md", "PR.md"):
+        (out / stale).write_text("from an earlier run")
+    result = stage.stage(patch, tree, out, models=models)
+    assert result.applies and not result.ok
+    assert [f.name for f in out.iterdir()] == ["stage.json"]
+    record = json.loads((out / "stage.json").read_text())
+    assert record["ok"] is False and record["written"] == ["stage.json"] and record["why"]
+    assert "broken on purpose" in record["tests"]["error"]
+
+
+@pytest.mark.parametrize("summary,measured,message", [
+    ("Also see glm53_patches.", (), "names the plugin"),
+    ("We measured it.", (), "first person"),
+    ("It keeps `_COMPILED_ELSEWHERE`.", (), "in neither the diff"),
+    ("Faster with dsa_decode.", (), "names dsa_decode"),
+    ("", (("CPU", "Measured (CPU)", "| fp32, B=1 | 2995 [2855, 3807] | 2898 [2809, 3554] | 1.04× |"),),
+     "not in PATCH.md"),
+    ("", (("CPU", "Measured (CPU)", "The first bf16 run had a wide spread, it did not finish."),),
+     "a run without a result"),
+    ("", (("CPU", "Measured (CPU)", "The first bf16 run had a wide spread (patched max 6055 µs)"),),
+     "not in PATCH.md"),
+])
+def test_text_for_a_maintainer_is_refused(summary, measured, message, releases):
+    patch, described = DESCRIBED["compiled_kda_decode"]
+    staged = source.stage_source(described, releases[PINS[0]])
+    stock = [s for s, _ in staged.changed_files.values()]
+    pr.check(described, staged.diff(), stock)  # as shipped: accepted
+    cut = (("CPU", "Measured (CPU)", "| case | stock µs/step |\n| --- | --- |\n| fp32, B=1 | 2995 [2855, 3807] |"),)
+    pr.check(source.Description(**{**vars(described), "measured": cut}), staged.diff(), stock)  # cut after a column
+    broken = source.Description(**{**vars(described), "summary": f"{described.summary} {summary}",
+                                   "measured": described.measured + measured})
+    with pytest.raises(source.StageError, match=message):
+        pr.check(broken, staged.diff(), stock)
+
+
+def test_a_measurement_without_its_backend_is_refused():
+    with pytest.raises(source.StageError, match="does not start with its backend"):
+        source._measured("probe", (("H200: one layer", "Measured", "x"),))

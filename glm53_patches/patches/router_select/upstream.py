@@ -72,9 +72,32 @@ GPU_ONLY = True
 
 TESTS = {"upstream_tests.py": "mlx_vlm/tests/test_glm5_next_router_select.py"}
 
-PR_SECTIONS = (
-    ("Why and how", ("What it replaces", "When it steps aside")),
-    ("Why the outputs are bit-identical", ("Why it is exact",)),
-    ("Verified so far", ("Verified",)),
-    ("Measured effect", ("Measured",)),
+# The pull request material (see glm53_patches/stage/pr.py). SUMMARY: what the
+# change does and where it is exact, in upstream terms, for a person to rewrite.
+SUMMARY = """
+Adds `mlx_vlm/models/glm5_next/router_select.py` and
+`mlx_vlm/models/glm5_next/router_select_kernel.py`. With the switch on, on
+CUDA, `MoEGate` runs what follows its gate matmul (sigmoid, correction bias,
+top-k in the order the backend's `argpartition` returns, weight
+normalisation and scaling) as one kernel launch instead of about 6. On the
+CPU, and on Metal, where the kernel has not run, the current code runs.
+
+Bit-identical to the current code on CUDA (one H200, MLX 0.32.4): indices and
+weights, ties and NaN rows included, and a tiny model's greedy logits. The
+order of the selected experts is a property of the backend's
+`argpartition`; the kernel follows the stable sort of MLX 0.32's CUDA
+backend.
+"""
+
+# Measurements of this change alone: (label: backend and hardware, PATCH.md
+# section, excerpt quoted from it; a table may be cut after any column).
+MEASURED = (
+    (
+        "CUDA (one NVIDIA H200, MLX 0.32.4): bf16, real widths; the router alone, each call evaluated, 6 "
+        "interleaved rounds x 200 calls",
+        "Measured",
+        """
+The per-call figure is the clean one: -16.5 us per router call.
+""",
+    ),
 )

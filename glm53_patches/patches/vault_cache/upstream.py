@@ -79,9 +79,35 @@ EQUIVALENCE = "warm-cold"
 # Upstream-style tests kept in this folder -> where they go in mlx-vlm.
 TESTS = {"upstream_tests.py": "mlx_vlm/tests/test_apc_sealed.py"}
 
-# PR sections: (heading in PR.md, headings of PATCH.md it is made of).
-PR_SECTIONS = (
-    ("Why", ("Why",)),
-    ("What this PR does", ("Staged upstream PR",)),
-    ("Upstream plan (this is PR 2; the others are not part of this diff)", ("Upstream PR plan",)),
+# The pull request material (see glm53_patches/stage/pr.py). SUMMARY: what the
+# change does and where it is exact, in upstream terms, for a person to rewrite.
+SUMMARY = """
+Adds `mlx_vlm/apc_sealed.py`. With the switch on, each exact-cache entry that
+`DiskBlockStore` writes carries a SHA-256 digest of the whole file
+(`sealed_digest`, format `apc-sealed-1`), is written through a private
+temporary folder with `fsync` and an atomic rename, and is read as one buffer
+that is verified before any tensor is decoded from it. A truncated,
+corrupted, unsealed or misplaced entry is refused, removed (if it is still
+the file that was read), and the lookup is a miss. The sealed reader decodes
+the cache kinds glm5_next uses (`kv`, `arrays`, `pooling`, `cache_list`);
+other snapshots are written and read by the current code, unsealed. An entry
+is restored whole only (no trim to a shorter prefix).
+
+A restored cache is byte-identical to the one written, so decoding from it
+gives the same logits, bit for bit, as the run that kept its cache in memory.
+"""
+
+# Measurements of this change alone: (label: backend and hardware, PATCH.md
+# section, excerpt quoted from it; a table may be cut after any column).
+MEASURED = (
+    (
+        "CPU (2-core machine shared with other jobs): one exact-cache entry of a tiny 4-bit glm5_next, in "
+        "process; sealed against the current format",
+        "Measured effect",
+        """
+measured in process on a 12.6 MB entry
+(1737 tokens): read and verify 8.9 ms vs 2.5 ms stock (SHA-256 is 6 ms of it);
+sealed write 17 ms vs 5.5 ms stock, on APC's background writer thread.
+""",
+    ),
 )
