@@ -56,7 +56,7 @@ reciprocal-multiply normalisation, the ``fma`` collapse chain), only
 regrouped into the layout above. It is not verified on any Mac yet.
 
 ``variant`` (CUDA only) selects alternative arithmetic for diagnosis by
-``glm53_patches.patches.hc_decode.device_check``: ``(affine, softmax,
+``glm53_patches.patches.hc_decode.checks.device_check``: ``(affine, softmax,
 collapse)`` with affine 0 = MLX functors, 1 = explicit fma, 2 = explicit
 multiply then add; softmax 0 = as ``softmax.cu``, 1 = precise ``expf``,
 2 = ``exp / s``; collapse 0 = rounded products summed, 1 = fma chain.

@@ -4,7 +4,7 @@ For one patch and one mlx-vlm source tree (``--upstream``, or each pinned
 release's wheel, unpacked into a cache):
 
 1. generate the upstream form from the patch's own modules (``source.py``,
-   driven by the patch folder's ``upstream.py``) and write ``PATCH.diff``;
+   driven by the patch's ``checks/upstream.py``) and write ``PATCH.diff``;
 2. ``git apply --check``, then ``git apply``, in a clean git copy of the tree;
 3. in that applied tree, in ``python -I -S`` on an import path without
    glm53-patches (``checks.isolated_path``): run the staged tests, and decode
@@ -173,7 +173,7 @@ def stage(patch, tree: Path, out: Path, *, models: Optional[Dict[str, str]] = No
         return _write(result, out, {})
     if described is None:
         result.stageable = False
-        result.error = "no upstream.py in the patch folder: nothing to stage"
+        result.error = "no checks/upstream.py in the patch folder: nothing to stage"
         return result
     if run and models is None:
         models = tiny_models(default_cache())
@@ -367,7 +367,7 @@ def stage_patches(names: List[str], trees: Dict[str, Path], out: Path, *, run: b
             continue
         if described is None:
             results.append(Result(name, "-", "", "", today, stageable=False,
-                                  error="no upstream.py in the patch folder: nothing to stage"))
+                                  error="no checks/upstream.py in the patch folder: nothing to stage"))
             continue
         for label, tree in trees.items():
             folder = Path(out)

@@ -1,6 +1,6 @@
 """The upstream form of a patch, generated from the patch's own modules.
 
-A patch folder's ``upstream.py`` (pure data) says what the pull request is:
+A patch folder's ``checks/upstream.py`` (pure data) says what the pull request is:
 
 ``MODULES``      {plugin module: new mlx-vlm file}. A key is a module of the
                  patch folder (``"step"``) or a full name
@@ -61,7 +61,6 @@ import difflib
 import importlib
 import importlib.util
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -111,30 +110,20 @@ def _module_name(path: str) -> str:
 
 
 def package_of(patch) -> str:
-    """The package that defines ``patch`` (where its upstream.py lives)."""
-    # The module that holds it as PATCH (factories may be `lazy` stand-ins
-    # defined in glm53_patches.patch, so their __module__ says nothing).
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) or {}  # no module __getattr__ runs
-        if namespace.get("PATCH") is patch:
-            return namespace.get("__package__") or name
-    for factory in list(patch.targets.values()) + [patch.on_revert, patch.verify]:
-        module = sys.modules.get(getattr(factory, "__module__", None) or "")
-        if module is not None:
-            return module.__package__ or module.__name__
-    return f"{PLUGIN_ROOT}.patches.{patch.name}"
+    """The package that declares ``patch`` (its checks/upstream.py holds the staging data): ``Patch.package``."""
+    return patch.package
 
 
 def describe(patch) -> Optional[Description]:
     """The patch's upstream description, or None when it has no upstream.py."""
     package = package_of(patch)
     try:
-        data = importlib.import_module(f"{package}.upstream")
+        data = importlib.import_module(f"{package}.checks.upstream")  # staging data sits with the checks
     except ModuleNotFoundError as exc:
-        if exc.name == f"{package}.upstream":
+        if exc.name in (f"{package}.checks", f"{package}.checks.upstream"):
             return None
         raise
-    folder = Path(data.__file__).parent
+    folder = Path(data.__file__).parent.parent  # the patch folder (PATCH.md)
     missing = [key for key in ("TITLE", "SUMMARY", "MODULES") if not hasattr(data, key)]
     if missing:
         raise StageError(f"{patch.name}: upstream.py does not define {', '.join(missing)}")
@@ -145,7 +134,7 @@ def describe(patch) -> Optional[Description]:
         modules[full] = path
     tests = dict(getattr(data, "TESTS", {}))
     for source, path in tests.items():
-        if not (folder / source).is_file():
+        if not (folder / "checks" / source).is_file():
             raise StageError(f"{patch.name}: upstream test {source!r} is not in {folder}")
         if not path.startswith("mlx_vlm/tests/test_"):
             raise StageError(f"{patch.name}: {path!r}: tests go to mlx_vlm/tests/test_*.py")
@@ -551,7 +540,7 @@ def stage_source(described: Description, tree: Path) -> Staged:
     for source, path in described.tests.items():
         if (tree / path).exists():
             raise StageError(f"{described.name}: {path} already exists in {tree}")
-        text = (described.folder / source).read_text(encoding="utf-8")
+        text = (described.folder / "checks" / source).read_text(encoding="utf-8")
         _check_clean(text, set(), f"{described.name} test {source}")
         new_files[path] = text
     changed = {}

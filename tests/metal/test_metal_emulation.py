@@ -1,4 +1,4 @@
-"""Metal twins against the stock Metal kernels they mirror, emulated on the host, bit for bit (metal_check/emulate/).
+"""Metal twins against the stock Metal kernels they mirror, emulated on the host, bit for bit (glm53_patches/checks/metal/emulate/).
 
 Each case runs the twin (the source MLX generates for it) and stock (MLX's and
 mlx-vlm's own kernel texts, op by op where stock is a chain) through one shim,
@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from glm53_patches.kernels.metal_check import cases, emulate
-from glm53_patches.kernels.metal_check.emulate import dsa_decode, expert_combine, fused_kda_kernel, hc_decode, router_select
+from glm53_patches.checks.metal import cases, emulate
+from glm53_patches.checks.metal.emulate import dsa_decode, expert_combine, fused_kda_kernel, hc_decode, router_select
 from glm53_patches.patches.dsa_decode import host_check
 from glm53_patches.patches.expert_combine import kernel as combine
 

@@ -1,4 +1,4 @@
-"""Each Metal kernel, as MLX would build it, type-checks as MSL (clang through glm53_patches/kernels/metal_check).
+"""Each Metal kernel, as MLX would build it, type-checks as MSL (clang through glm53_patches/checks/metal).
 
 Every case of ``cases.py`` (the shapes each patch's verify uses, inputs under
 8 elements, batch 1 and 3, head dims 64 and 128, and upstream's own Metal
@@ -7,7 +7,7 @@ kernels) must type-check; hand mutations of our kernels must not.
 
 import pytest
 
-from glm53_patches.kernels.metal_check import cases, source, typecheck
+from glm53_patches.checks.metal import cases, source, typecheck
 
 
 @pytest.fixture(scope="module")

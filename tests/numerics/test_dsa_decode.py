@@ -196,7 +196,7 @@ def test_selection_kernel_reference_equals_stock(fp32_model, monkeypatch):
     import numpy as np
 
     from glm53_patches.patches.dsa_decode import decode
-    from glm53_patches.patches.dsa_decode.host_check import reference
+    from glm53_patches.patches.dsa_decode.checks.host_check import reference
 
     seen = []
 

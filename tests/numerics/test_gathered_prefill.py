@@ -11,7 +11,7 @@ import pytest
 
 from glm53_patches import log as glm53_log
 from glm53_patches.patches.gathered_prefill import PATCH, attention
-from glm53_patches.patches.gathered_prefill.verify import indexer_like
+from glm53_patches.patches.gathered_prefill.checks.verify import indexer_like
 from glm53_patches.tiny_model import build_model, tiny_config
 from mlx_vlm.models.glm5_next import language
 

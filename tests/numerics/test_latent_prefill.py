@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from glm53_patches import registry
-from glm53_patches.patches.gathered_prefill.verify import indexer_like
+from glm53_patches.patches.gathered_prefill.checks.verify import indexer_like
 from glm53_patches.patches.latent_prefill import PATCH, attend
 from glm53_patches.tiny_model import build_model
 from mlx_vlm.models.cache import KVCache

@@ -88,7 +88,7 @@ def test_host_check_reference_agrees_with_stock_expert_select():
     """
     from mlx_vlm.models.glm5_next import language
 
-    from glm53_patches.patches.router_select.host_check import reference
+    from glm53_patches.patches.router_select.checks.host_check import reference
 
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 3, (64, 288)).astype(np.float32)

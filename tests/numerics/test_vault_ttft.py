@@ -13,7 +13,7 @@ import sys
 
 def test_ttft_small_end_to_end(tmp_path):
     out = tmp_path / "ttft.json"
-    command = [sys.executable, "-m", "glm53_patches.patches.vault_cache.ttft", "--small", "--simulate-bare",
+    command = [sys.executable, "-m", "glm53_patches.patches.vault_cache.checks.ttft", "--small", "--simulate-bare",
                "--prompts", "40,70", "--dir", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]

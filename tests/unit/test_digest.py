@@ -10,9 +10,6 @@ from glm53_patches import registry, verify_records
 CORE = {"glm53_patches", "glm53_patches.config", "glm53_patches.log", "glm53_patches.patch", "glm53_patches.hookspecs",
         "glm53_patches.stats", "glm53_patches.registry", "glm53_patches.backend", "glm53_patches.kernel_switch",
         "glm53_patches.verify_records", "glm53_patches.upstream_import"}
-# Harness files: checks and benchmarks, never imported at run time.
-HARNESS = {"verify.py", "host_check.py", "device_check.py", "upstream_tests.py", "upstream.py", "bench.py", "ttft.py",
-           "quality.py"}
 
 
 def _imported(path, package):
@@ -34,7 +31,7 @@ def test_every_module_a_patch_borrows_is_declared_in_uses():
         folder = patch.folder()
         declared = set(patch.uses)
         for path in folder.rglob("*.py"):
-            if path.name in HARNESS or "checks" in path.relative_to(folder).parts:
+            if "checks" in path.relative_to(folder).parts:  # harness: not run when serving
                 continue
             for module in _imported(path, patch.package):
                 inside = module == patch.package or module.startswith(patch.package + ".")
@@ -67,4 +64,31 @@ def test_the_digest_follows_what_is_used_and_nothing_else(tmp_path, monkeypatch)
 def test_fused_kda_kernels_digest_covers_the_compiled_step_it_calls():
     labels = [label for label, _ in registry.available()["fused_kda_kernel"].source_files()]
     assert "glm53_patches.patches.compiled_kda_decode.step:step.py" in labels
-    assert not [label for label in labels if label.startswith("glm53_patches.kernels.host_emulation")]
+    assert not [label for label in labels if label.startswith("glm53_patches.checks.host_emulation")]
+
+
+def _runtime_modules(patch):
+    folder = patch.folder()
+    for path in sorted(folder.rglob("*.py")):
+        relative = path.relative_to(folder)
+        if "checks" not in relative.parts and "__pycache__" not in relative.parts:
+            yield ".".join((patch.package, *relative.with_suffix("").parts)).removesuffix(".__init__")
+
+
+def test_runtime_code_never_imports_checks():
+    """Checks and benchmarks sit apart (patches/<name>/checks/, glm53_patches/checks/): serving never loads them."""
+    import subprocess
+    import sys
+
+    modules = [m for patch in registry.available().values() for m in _runtime_modules(patch)]
+    for name, patch in registry.available().items():
+        for path in patch.folder().rglob("*.py"):
+            if "checks" in path.relative_to(patch.folder()).parts:
+                continue
+            assert not [m for m in _imported(path, patch.package) if ".checks" in m], (name, path.name)
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('glm53_patches') and 'checks' in m.split('.')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout

@@ -47,7 +47,7 @@ PATCH = Patch(
     needs_verify_on=("metal", "cuda"),
     upstream="not yet proposed: opt-in compiled KDA decode step (MLX_VLM_GLM5_COMPILED_KDA_DECODE)",
     on_revert=lazy(f"{__name__}.step", "clear", only_if_loaded=True),
-    verify=lazy(f"{__name__}.verify", "verify"),
+    verify=lazy(f"{__name__}.checks.verify", "verify"),
 )
 
 

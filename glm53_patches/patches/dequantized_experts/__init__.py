@@ -31,7 +31,7 @@ PATCH = Patch(
     needs_verify_on=("cuda", "metal", "cpu"),  # its fast path swaps a kernel: every backend verifies it
     upstream="not yet proposed: QuantizedSwitchLinear dequantizing for large sorted prefill batches (PATCH.md)",
     on_revert=lazy(f"{__name__}.experts", "clear", only_if_loaded=True),
-    verify=lazy(f"{__name__}.verify", "verify"),
+    verify=lazy(f"{__name__}.checks.verify", "verify"),
     knobs={
         "fast_path": config.switch("on CUDA and the CPU where `verify` passed (auto, the default; never on Metal, unmeasured there), always (1), never (0)"),
         "min_tokens": config.integer(1, what="tokens", doc="the smallest prefill chunk it takes (default 256)"),

@@ -54,7 +54,7 @@ PATCH = Patch(
     kernels_on=("cuda", "metal"),
     upstream="not yet proposed: decode branches of Glm5NextIndexer.__call__ and Glm5NextAttention._attend (PATCH.md)",
     on_revert=lazy(f"{__name__}.decode", "clear", only_if_loaded=True),
-    verify=lazy(f"{__name__}.verify", "verify"),
+    verify=lazy(f"{__name__}.checks.verify", "verify"),
     knobs={"kernel": config.switch("its GPU selection kernel: where `verify` passed (auto, the default), always (1), never (0); the CPU has none")},
 )
 

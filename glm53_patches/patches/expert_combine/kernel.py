@@ -27,7 +27,7 @@ in the model dtype from 0, then thread 0 adds the others' sums in order, each
 add rounded to the model dtype. The body does the same. Inputs under 8
 elements arrive in the ``constant`` address space (MLX's
 ``max_constant_array_size``), so its pointers keep the inputs' address space
-(``auto``). ``glm53_patches/kernels/metal_check`` type-checks the source MLX
+(``auto``). ``glm53_patches/checks/metal`` type-checks the source MLX
 generates and runs it, emulated, against ``col_reduce_small``'s own text; it
 has not run on any Mac, and runs only where ``glm53-patches verify
 expert_combine`` passed there.

@@ -32,7 +32,7 @@ comment above ``METAL_SOURCE`` names them): the recurrence mlx-vlm's
 ``_make_gated_delta_kernel`` statement by statement, ``Dk / 32`` values per
 lane (so head dims that are multiples of 32, where stock uses that kernel),
 the norms MLX's ``rms_single_row``, the conv ``depthwise_conv_1d``, the
-functors with ``metal::precise::exp``. ``glm53_patches/kernels/metal_check``
+functors with ``metal::precise::exp``. ``glm53_patches/checks/metal``
 type-checks the source MLX generates and runs it, emulated, against those
 stock texts; it has not run on any Mac, and runs only where ``glm53-patches
 verify fused_kda_kernel`` passed there.
@@ -209,7 +209,7 @@ CUDA_SOURCE = (
 # Warp tree of MLX's cg::reduce: partner at offsets 16, 8, 4, 2, 1. The
 # depthwise conv as MLX's CUDA conv (cuDNN) computes it on the H200: the
 # (exact) bf16 products added in tap order from 0 in float32, then rounded
-# to bf16 (device/probe_conv_order.py tells the orders apart).
+# to bf16 (benchmarks/h200/probe_conv_order.py tells the orders apart).
 CUDA_HELPERS = r"""
 template <int KC>
 __device__ __forceinline__ __nv_bfloat16 kd_conv(const __nv_bfloat16* qkv, const __nv_bfloat16* window,

@@ -31,7 +31,7 @@ PATCH = Patch(
     # (On Metal it always calls stock.)
     needs_verify_on=("cuda",),
     upstream="not yet proposed: flatten K/V once per call, shape-derived query chunks, ordered chunk gathers (PATCH.md)",
-    verify=lazy(f"{__name__}.verify", "verify"),
+    verify=lazy(f"{__name__}.checks.verify", "verify"),
     report=lazy(f"{__name__}.attention", "report"),
     knobs={
         "min_context": config.integer(0, what="keys", doc="contexts below this run stock (default 0 on the CPU; on CUDA never, where it measured slower)"),

@@ -45,7 +45,7 @@ PATCH = Patch(
     kernels_on=("cuda", "metal"),
     upstream="not yet proposed: opt-in fused hyper-connection decode layer with a CUDA Sinkhorn kernel (MLX_VLM_GLM5_HC_DECODE)",
     on_revert=lazy(f"{__name__}.layer", "clear", only_if_loaded=True),
-    verify=lazy(f"{__name__}.verify", "verify"),
+    verify=lazy(f"{__name__}.checks.verify", "verify"),
     knobs={"kernel": config.switch("its GPU Sinkhorn kernel: where `verify` passed (auto, the default), always (1), never (0); the CPU has none")},
 )
 

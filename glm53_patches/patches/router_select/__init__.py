@@ -29,7 +29,7 @@ PATCH = Patch(
     kernels_on=("cuda", "metal"),
     upstream="not yet proposed: a fused _expert_select kernel for n_group == 1 (PATCH.md)",
     on_revert=lazy(f"{__name__}.gate", "clear", only_if_loaded=True),
-    verify=lazy(f"{__name__}.verify", "verify"),
+    verify=lazy(f"{__name__}.checks.verify", "verify"),
     knobs={"kernel": config.switch("its GPU kernel: where `verify` passed (auto, the default), always (1), never (0); the CPU has none")},
 )
 

@@ -41,7 +41,7 @@ merge sort under ``LessThan``, NaN last), ``simd_shuffle_xor``, and the weight
 sum as ``row_reduce_small``'s ``thread_reduce`` (``kernels/reduction/reduce_row.h``:
 K values added in order from 0, ``SUMCHUNK == K``). The logits row keeps its
 address space (``auto``): in MSL a pointer without one points into thread
-memory. ``glm53_patches/kernels/metal_check`` type-checks the source MLX
+memory. ``glm53_patches/checks/metal`` type-checks the source MLX
 generates and runs it, emulated, against those stock texts; it has not run on
 any Mac, and runs only where ``glm53-patches verify router_select`` passed there.
 """

@@ -131,7 +131,7 @@ PATCH = Patch(
     upstream="not yet proposed: five PRs in PATCH.md (weights fingerprint in the APC key, payload "
     "digest and fsync in DiskBlockStore, harvest policy, minimum exact prefill chunk, numerics key)",
     on_revert=lazy(f"{__name__}.hooks", "forget", only_if_loaded=True),
-    verify=lazy(f"{__name__}.verify", "verify"),
+    verify=lazy(f"{__name__}.checks.verify", "verify"),
     report=_report,
     stats=VaultStats(),
     knobs={

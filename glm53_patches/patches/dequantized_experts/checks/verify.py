@@ -1,0 +1,97 @@
+"""``glm53-patches verify dequantized_experts``: dequantize + gather_mm against gather_qmm on this machine.
+
+1. One projection, as ``SwitchGLU`` calls it at prefill (rows sorted by
+   expert): stock's ``QuantizedSwitchLinear`` against stock's
+   ``SwitchLinear`` over the dequantized weight, 4- and 8-bit, a full
+   2,048-token chunk and a ragged 300-token one, each of the three
+   projection shapes. GPU: GLM-5.3-Flash's widths (hidden 4096, expert
+   width 2048, 64 experts, top 8), bf16. CPU: narrower, fp32 (MLX's CPU
+   backend has no bf16 gather_mm).
+2. The tiny random-weight model, quantized (4- and 8-bit; bf16 on a GPU,
+   fp32 on the CPU), batch 1 and 2: prefill with the patch's threshold
+   lowered so its 40-token prompt dequantizes, then 16 greedy steps;
+   logits of every step bit for bit, and the dequantized path must have run.
+   On a GPU the tiny model is widened (``GPU_WIDTHS``).
+"""
+
+import contextlib
+import time
+
+import mlx.core as mx
+
+from glm53_patches.exactness import Tally, compare_tiny_models
+from glm53_patches.registry import backend
+
+WIDTHS = {"gpu": (4096, 2048, 64, 8, mx.bfloat16), "cpu": (512, 256, 16, 4, mx.float32)}
+
+
+def gpu_widths():
+    """Tiny-model overrides that make every quantized matmul's input width, and the
+    MLA's per-head widths, 128 (as in the real model): MLX 0.32.4's CUDA
+    quantized_matmul has no kernel for the tiny model's 64-wide per-head MLA
+    projections (an H200 raised on 40x64x64 x 4 heads)."""
+    from glm53_patches import tiny_model
+
+    kda = tiny_model.tiny_config()["text_config"]["linear_attn_config"]
+    wide = ("moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_head_dim")
+    return {**dict.fromkeys(wide, 128), "linear_attn_config": {**kda, "head_dim": 128}}
+
+
+def check_projections(tally, on_gpu):
+    from mlx_vlm.models.switch_layers import SwitchLinear
+
+    from ..experts import dequantized
+
+    hidden, width, experts, top_k, dtype = WIDTHS["gpu" if on_gpu else "cpu"]
+    key = iter(mx.random.split(mx.random.key(7), 64))
+    for bits in (4, 8):
+        for rows_in, rows_out in ((hidden, width), (width, hidden)):  # gate/up, down
+            stock = SwitchLinear(rows_in, rows_out, experts).to_quantized(group_size=64, bits=bits)
+            stock.update({k: v.astype(dtype) for k, v in stock.parameters().items() if k in ("scales", "biases")})
+            for tokens in (2048, 300):
+                rows = tokens * top_k
+                idx = mx.sort(mx.random.randint(0, experts, (rows,), key=next(key)))
+                x = mx.random.normal((rows, 1, rows_in), key=next(key)).astype(dtype)
+                expected = stock(x, idx, sorted_indices=True)
+                got = dequantized(stock)(x, idx, sorted_indices=True)
+                tally.compare(f"{bits}-bit {experts}x{rows_out}x{rows_in}, {tokens} tokens", [expected], [got])
+
+
+@contextlib.contextmanager
+def _forced_below_the_tiny_prompt():
+    """The fast path on, with a threshold the tiny model's 40-token prompt passes."""
+    from .. import experts
+
+    saved, experts._min_tokens = experts._min_tokens, 16
+    try:
+        with experts.switch.forcing(True):
+            yield
+    finally:
+        experts._min_tokens = saved
+
+
+def check_tiny_models(tally, on_gpu):
+    from mlx_vlm.models.switch_layers import MoE
+
+    from glm53_patches import registry
+
+    from .. import PATCH, experts
+
+    stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
+    variants = [(f"{bits}-bit", bits, mx.bfloat16 if on_gpu else None) for bits in (4, 8)]
+    compare_tiny_models(tally, MoE, "__call__", stock, experts.make_call(stock), _forced_below_the_tiny_prompt,
+                        variants=variants, config=gpu_widths() if on_gpu else None)
+
+
+def verify():
+    from .. import PATCH
+
+    start = time.perf_counter()
+    on_gpu = backend() in ("cuda", "metal")
+    tally = Tally()
+    before = PATCH.stats.snapshot()["hits"].get("dequantized", 0)
+    check_projections(tally, on_gpu)
+    check_tiny_models(tally, on_gpu)
+    if PATCH.stats.snapshot()["hits"].get("dequantized", 0) == before:  # equal outputs prove nothing then
+        tally.mismatches.append("the dequantized path never ran in the model check")
+    return tally.result(time.perf_counter() - start)

@@ -1,0 +1,1 @@
+"""dsa_decode's checks, benchmarks and upstream-staging data: never imported at run time."""

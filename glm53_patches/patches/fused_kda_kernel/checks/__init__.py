@@ -1,0 +1,1 @@
+"""fused_kda_kernel's checks, benchmarks and upstream-staging data: never imported at run time."""

@@ -1,0 +1,1 @@
+"""kda_prefill_kernel's checks, benchmarks and upstream-staging data: never imported at run time."""

@@ -1,0 +1,1 @@
+"""latent_prefill's checks, benchmarks and upstream-staging data: never imported at run time."""

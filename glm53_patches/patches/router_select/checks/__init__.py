@@ -1,0 +1,1 @@
+"""router_select's checks, benchmarks and upstream-staging data: never imported at run time."""
