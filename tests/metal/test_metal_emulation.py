@@ -19,7 +19,7 @@ import pytest
 
 from glm53_patches.checks.metal import cases, emulate
 from glm53_patches.checks.metal.emulate import dsa_decode, expert_combine, fused_kda_kernel, hc_decode, router_select
-from glm53_patches.patches.dsa_decode import host_check
+from glm53_patches.patches.dsa_decode.checks import host_check
 from glm53_patches.patches.expert_combine import kernel as combine
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from glm53_patches import registry
-from glm53_patches.patches.indexer_fp32 import PATCH, kernels, quality, score
+from glm53_patches.patches.indexer_fp32 import PATCH, kernels, score
+from glm53_patches.patches.indexer_fp32.checks import quality
 from glm53_patches.tiny_model import build_model, greedy_logits
 from mlx_vlm.models.glm5_next import language
 

@@ -496,7 +496,7 @@ def test_through_the_registry():
 
 def test_bench_smoke(capsys):
     """bench.py runs end to end (tiny widths; no timing is asserted)."""
-    from glm53_patches.patches.kda_prefill_kernel import bench
+    from glm53_patches.patches.kda_prefill_kernel.checks import bench
 
     common = ["--lengths", "40", "--rounds", "1", "--chunks", "16", "--heads", "2", "--head-dim", "32"]
     assert bench.main(common + ["--dtype", "float32"]) == 0

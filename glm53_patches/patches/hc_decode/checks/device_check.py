@@ -128,7 +128,8 @@ def decode_step_timing(layers, rounds, backend, **overrides):
     from mlx_vlm.models.glm5_next import language as _lang
     from mlx_vlm.models.glm5_next.config import TextConfig
 
-    from glm53_patches.patches.hc_decode import layer, verify
+    from glm53_patches.patches.hc_decode import layer
+    from glm53_patches.patches.hc_decode.checks import verify
 
     kinds = (["linear_attention"] * 3 + ["deepseek_sparse_attention"]) * max(layers // 4, 1)
     config = TextConfig(
@@ -227,7 +228,8 @@ def main(argv=None):
 
     from glm53_patches.exactness import Tally
     from glm53_patches.kernels import hc_sinkhorn
-    from glm53_patches.patches.hc_decode import layer, verify
+    from glm53_patches.patches.hc_decode import layer
+    from glm53_patches.patches.hc_decode.checks import verify
 
     backend = verify.backend_name()
     summary = {
