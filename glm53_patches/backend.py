@@ -21,21 +21,21 @@ def mlx_problem() -> Optional[str]:
     return None
 
 
-def current() -> str:
-    """'metal', 'cuda' or 'cpu': where MLX's default device runs."""
+def gpu_backend() -> Optional[str]:
+    """'metal' or 'cuda' when MLX's default device is that GPU, else None."""
     import mlx.core as mx
 
     if mx.default_device() != mx.gpu:
-        return "cpu"
+        return None
     if mx.metal.is_available():
         return "metal"
-    return "cuda"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else None
 
 
-def gpu() -> Optional[str]:
-    """'metal' or 'cuda' when the default device is a GPU, else None."""
-    name = current()
-    return None if name == "cpu" else name
+def current() -> str:
+    """'metal', 'cuda' or 'cpu': where MLX's default device runs."""
+    return gpu_backend() or "cpu"
 
 
 def machine() -> dict:

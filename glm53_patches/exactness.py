@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 
-from .registry import backend
+from .backend import current as backend
 
 _UNSIGNED = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 

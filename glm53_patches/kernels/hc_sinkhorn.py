@@ -62,10 +62,12 @@ multiply then add; softmax 0 = as ``softmax.cu``, 1 = precise ``expf``,
 2 = ``exp / s``; collapse 0 = rounded products summed, 1 = fma chain.
 """
 
-import functools
 from typing import Optional, Tuple
 
 import mlx.core as mx
+
+from glm53_patches.backend import gpu_backend
+from glm53_patches.kernels.build import compiled_constant, gpu_kernel
 
 HC = 4  # the kernels are written for 4 streams (hc_mult of GLM-5.3-Flash)
 THREADS = 256  # one block per row: warp 0 Sinkhorn, warps 1..7 the collapse
@@ -318,61 +320,12 @@ METAL_SOURCE = r"""
   }
 """
 
-_kernels = {}
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 
-def gpu_backend() -> Optional[str]:
-    """'cuda' or 'metal' when the default device is a GPU, else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return None
-
-
-@functools.lru_cache(maxsize=16)
-def compiled_constant(value: float) -> float:
-    """The float32 that an ``mx.compile``d kernel reads for a captured Python float.
-
-    MLX prints captured scalar constants into the generated kernel source
-    (``print_float_constant``). Releases that print 7 significant digits bake
-    e.g. 1/3 as 0.3333333 (1 ulp off); 0.32.4 prints 9, which round-trips.
-    Rather than assume either, ask this MLX: compile ``|a| * value`` (two ops,
-    so they fuse and the constant is printed) and run it on ``a = 1``. Call it
-    outside any ``mx.compile`` trace (it evaluates).
-    """
-    probe = mx.compile(lambda a: mx.abs(a) * value)
-    return probe(mx.ones((1,), dtype=mx.float32)).item()
-
-
-def _kernel(backend: str):
-    kernel = _kernels.get(backend)
-    if kernel is None:
-        if backend == "cuda":
-            kernel = mx.fast.cuda_kernel(
-                name="glm53_hc_sinkhorn_collapse",
-                input_names=["x_in", "mixes", "scale", "base", "hc_eps"],
-                output_names=["collapsed", "post", "comb"],
-                source=CUDA_SOURCE,
-                header=CUDA_HEADER,
-                ensure_row_contiguous=True,
-            )
-        elif backend == "metal":
-            kernel = mx.fast.metal_kernel(
-                name="glm53_hc_sinkhorn_collapse",
-                input_names=["x_in", "mixes", "scale", "base"],
-                output_names=["collapsed", "post", "comb"],
-                source=METAL_SOURCE,
-                ensure_row_contiguous=True,
-            )
-        else:
-            raise ValueError(f"no hc_sinkhorn kernel for backend {backend!r}")
-        _kernels[backend] = kernel
-    return kernel
+KERNEL = dict(name="glm53_hc_sinkhorn_collapse", inputs=["x_in", "mixes", "scale", "base", "hc_eps"],
+              outputs=["collapsed", "post", "comb"], cuda=(CUDA_SOURCE, CUDA_HEADER),
+              metal=(METAL_SOURCE, "", ["x_in", "mixes", "scale", "base"]))
 
 
 def unsupported(x, hc_mult, backend=None) -> Optional[str]:
@@ -423,7 +376,7 @@ def hc_sinkhorn_collapse(
     mixes, scale, base = (a.astype(mx.float32) for a in (mixes, scale, base))
     if backend == "cuda":
         affine, softmax, collapse = variant
-        return _kernel("cuda")(
+        return gpu_kernel(backend="cuda", **KERNEL)(
             inputs=[x, mixes, scale, base, mx.array([compiled_constant(eps)], dtype=mx.float32)],
             template=[
                 ("T", x.dtype),
@@ -441,7 +394,7 @@ def hc_sinkhorn_collapse(
         )
     if tuple(variant) != DEFAULT_VARIANT:
         raise ValueError("variants exist for the CUDA body only")
-    return _kernel("metal")(
+    return gpu_kernel(backend="metal", **KERNEL)(
         inputs=[x, mixes, scale, base],
         template=[
             ("T", x.dtype),

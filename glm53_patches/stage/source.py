@@ -51,6 +51,10 @@ A plugin module becomes an upstream module by these rules only:
 5. An import that the drops above left unused goes too (``functools`` used
    only by a plugin-only wrapper), and the relative imports close up into one
    block; then ``ENABLED`` after the imports.
+6. Names imported from the plugin's shared helpers (``INLINED``: backend
+   detection, the kernel builder) are copied in: their definitions, with what
+   they use of their module, after the imports, and the imports those need.
+   A staged module stands alone, and two pull requests never add one file.
 
 Everything else is kept byte for byte, comments included. The result must
 parse, use no dropped name and never mention glm53.
@@ -68,6 +72,7 @@ from typing import Dict, List, Optional, Tuple
 from .. import drift
 
 PLUGIN_ROOT = "glm53_patches"
+INLINED = ("glm53_patches.backend", "glm53_patches.kernels.build")  # rule 6
 
 
 class StageError(ValueError):
@@ -315,7 +320,7 @@ def upstream_module(source: str, module: str, target_path: str, described: Descr
     source = _in_strings(source, described.text, set() if used_text is None else used_text)
     lines = source.splitlines(keepends=True)
     tree = ast.parse(source)
-    edits, dropped = [], set()
+    edits, dropped, inlined = [], set(), {}
     where = f"{module} ({described.name})"
 
     def drop(node, with_comments=False):
@@ -348,6 +353,11 @@ def upstream_module(source: str, module: str, target_path: str, described: Descr
                     edits.append((*_span(node), [_from_import(level, name, renamed) + "\n"]))
                 elif any(full in mapped for full in fulls):
                     raise StageError(f"{where}: line {node.lineno}: split this import (mapped and plugin names)")
+                elif source_module in INLINED:
+                    if any(a.asname and a.asname != a.name for a in node.names):
+                        raise StageError(f"{where}: line {node.lineno}: import inlined helpers without `as`")
+                    drop(node)
+                    inlined.setdefault(source_module, set()).update(a.name for a in node.names)
                 else:
                     drop(node)
                     dropped.update(a.asname or a.name for a in node.names)
@@ -397,8 +407,62 @@ def upstream_module(source: str, module: str, target_path: str, described: Descr
     text = _tidy_imports("".join(_tidy_blank_lines(out)), used_before)
     if switch:
         text = _add_switch(text, switch)
+    if inlined:
+        text = _inline(text, inlined, where)
     _check_clean(text, dropped | set(described.plugin_only), where)
     return text
+
+
+def _inline(text: str, inlined: Dict[str, set], where: str) -> str:
+    """Rule 6: the helpers' definitions (and what they use of their module) after the imports and ENABLED."""
+    tree = ast.parse(text)
+    defined = set().union(*(_bound(n) for n in tree.body))
+    have_imports = {ast.unparse(n) for n in _leading_imports(tree)}
+    new_imports, blocks = [], []
+    for helper, names in sorted(inlined.items()):
+        spec = importlib.util.find_spec(helper)
+        helper_source = Path(spec.origin).read_text(encoding="utf-8")
+        helper_lines = helper_source.splitlines(keepends=True)
+        helper_tree = ast.parse(helper_source)
+        top = {name: node for node in helper_tree.body for name in _bound(node)}
+        wanted, todo = set(), list(names)
+        while todo:  # the closure of what the names use among the helper's top-level definitions
+            name = todo.pop()
+            if name in wanted:
+                continue
+            if name not in top:
+                raise StageError(f"{where}: {helper} defines no {name!r} to inline")
+            wanted.add(name)
+            todo.extend(n for n in _names_used(top[name]) if n in top and n not in wanted)
+        clash = wanted & defined
+        if clash:
+            raise StageError(f"{where}: inlining {sorted(clash)} from {helper} would shadow the module's own")
+        nodes = [n for n in helper_tree.body if _bound(n) & wanted]
+        used = set().union(*(_names_used(n) for n in nodes))
+        for node in _leading_imports(helper_tree):
+            bound = {(a.asname or a.name).split(".")[0] for a in node.names}
+            if bound & used and ast.unparse(node) not in have_imports:
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PLUGIN_ROOT:
+                    raise StageError(f"{where}: {helper} imports {node.module}, which cannot be inlined")
+                new_imports.append(ast.unparse(node) + "\n")
+                have_imports.add(ast.unparse(node))
+        for node in nodes:
+            start, end = _span(node)
+            start = _comment_lines_above(helper_lines, start)
+            blocks.append("".join(helper_lines[start:end]).rstrip("\n") + "\n")
+    lines = text.splitlines(keepends=True)
+    imports = _leading_imports(tree)
+    at = imports[-1].end_lineno if imports else 0
+    lines[at:at] = new_imports
+    tree = ast.parse("".join(lines))
+    body = [n for n in tree.body if not isinstance(n, ast.Expr) or n is not tree.body[0]]
+    after = _leading_imports(tree)
+    last = after[-1].end_lineno if after else 0
+    for node in body:  # after ENABLED too, where there is one
+        if isinstance(node, ast.Assign) and _bound(node) == {"ENABLED"}:
+            last = node.end_lineno
+    lines[last:last] = ["\n\n", "\n\n".join(blocks), "\n\n"]
+    return "".join(_tidy_blank_lines("".join(lines).splitlines(keepends=True)))
 
 
 def _add_switch(text: str, switch: str) -> str:

@@ -51,29 +51,19 @@ class _Recorder:
 @contextlib.contextmanager
 def recording():
     """Within: ``mx.fast.cuda_kernel`` records, and the patches' kernel caches start (and end) empty."""
-    from glm53_patches.kernels import hc_sinkhorn
-    from glm53_patches.patches.dsa_decode import select_kernel
-    from glm53_patches.patches.expert_combine import kernel as combine
-    from glm53_patches.patches.fused_kda_kernel import kernel as kda
-    from glm53_patches.patches.indexer_fp32 import kernels as indexer
+    from glm53_patches.kernels.build import forget_kernels
     from glm53_patches.patches.kda_prefill_kernel import cuda as prefill
-    from glm53_patches.patches.router_select import kernel as router
 
-    caches = [m._kernels for m in (hc_sinkhorn, select_kernel, combine, kda, indexer, router)]
     recorder = _Recorder()
     original, original_available = mx.fast.cuda_kernel, prefill.cuda_available
-    for cache in caches:
-        cache.clear()
-    prefill._kernel = None
+    forget_kernels()
     mx.fast.cuda_kernel = recorder
     prefill.cuda_available = lambda: True
     try:
         yield recorder
     finally:
         mx.fast.cuda_kernel, prefill.cuda_available = original, original_available
-        for cache in caches:
-            cache.clear()
-        prefill._kernel = None
+        forget_kernels()
 
 
 def _normal(shape, seed, dtype=mx.float32):

@@ -61,14 +61,8 @@ def verbose_kernels():
     from mlx_vlm.models import gated_delta as gd
     from mlx_vlm.models.deepseek_v4 import hyper_connection as hc
 
-    from glm53_patches.kernels import hc_sinkhorn
-    from glm53_patches.patches.dsa_decode import select_kernel
-    from glm53_patches.patches.expert_combine import kernel as combine
-    from glm53_patches.patches.fused_kda_kernel import kernel as kda
-    from glm53_patches.patches.indexer_fp32 import kernels as indexer
-    from glm53_patches.patches.router_select import kernel as router
+    from glm53_patches.kernels.build import forget_kernels
 
-    caches = [m._kernels for m in (hc_sinkhorn, select_kernel, combine, kda, indexer, router)]
     real = mx.fast.metal_kernel
 
     def metal_kernel(**kwargs):
@@ -84,8 +78,7 @@ def verbose_kernels():
         (hc, "_hc_sinkhorn_split_kernel"): hc._make_hc_sinkhorn_split_kernel,
     }
     saved = {key: getattr(*key) for key in upstream}
-    for cache in caches:
-        cache.clear()
+    forget_kernels()
     mx.fast.metal_kernel = metal_kernel
     try:
         with pretend_metal():
@@ -96,8 +89,7 @@ def verbose_kernels():
         mx.fast.metal_kernel = real
         for (module, name), value in saved.items():
             setattr(module, name, value)
-        for cache in caches:
-            cache.clear()
+        forget_kernels()
 
 
 def generated(fn, *args):

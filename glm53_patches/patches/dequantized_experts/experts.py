@@ -20,7 +20,7 @@ from mlx_vlm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switc
 
 from glm53_patches import config
 from glm53_patches.kernel_switch import KernelSwitch
-from glm53_patches.registry import backend
+from glm53_patches.backend import current as backend
 
 from . import PATCH
 

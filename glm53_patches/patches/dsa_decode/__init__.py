@@ -45,7 +45,7 @@ PATCH = Patch(
         f"{_CACHE}:BatchPoolingCache.update_and_fetch",
         f"{_CACHE}:BatchPoolingCache.offset",
     ),
-    uses=("glm53_patches.kernels.hc_sinkhorn",),
+    uses=("glm53_patches.kernels.build",),
     numerics="exact",
     # The compiled part is integer-only (no rounding, no math mode), and every
     # float op is stock's own call: exact on any backend by construction. The

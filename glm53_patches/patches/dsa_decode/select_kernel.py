@@ -34,9 +34,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from glm53_patches.kernels import hc_sinkhorn
+from glm53_patches.backend import gpu_backend
+from glm53_patches.kernels.build import gpu_kernel
 
-gpu_backend = hc_sinkhorn.gpu_backend
 
 # Warps per block, one block per batch row. At 32 warps (1,024 threads) nvcc
 # needs more registers per thread than such a block may have.
@@ -288,26 +288,8 @@ METAL_SOURCE = (
     + SELECT_BODY
 )
 
-_kernels = {}
-
-
-def _kernel(backend: str):
-    kernel = _kernels.get(backend)
-    if kernel is None:
-        common = dict(
-            name="glm53_dsa_select",
-            input_names=["scores", "key_valid", "pool_limit", "query_valid", "dims"],
-            output_names=["topk"],
-            ensure_row_contiguous=True,
-        )
-        if backend == "cuda":
-            kernel = mx.fast.cuda_kernel(source=CUDA_SOURCE, header=CUDA_HEADER, **common)
-        elif backend == "metal":
-            kernel = mx.fast.metal_kernel(source=METAL_SOURCE, header=METAL_HEADER, **common)
-        else:
-            raise ValueError(f"no dsa_select kernel for backend {backend!r}")
-        _kernels[backend] = kernel
-    return kernel
+KERNEL = dict(name="glm53_dsa_select", inputs=["scores", "key_valid", "pool_limit", "query_valid", "dims"],
+              outputs=["topk"], cuda=(CUDA_SOURCE, CUDA_HEADER), metal=(METAL_SOURCE, METAL_HEADER))
 
 
 def unsupported(pool_count, key_count, score_dtype=mx.float32, backend=None) -> Optional[str]:
@@ -335,7 +317,7 @@ def select_topk(scores, key_valid, pool_limit, query_valid, select_k, *, kpool, 
     batch, pools = scores.shape
     dims = mx.array([key_valid.shape[1], pools, select_k], dtype=mx.int32)
     threads = 32 * WARPS
-    return _kernel(backend)(
+    return gpu_kernel(backend=backend, **KERNEL)(
         inputs=[scores, key_valid, pool_limit, query_valid, dims],
         template=[("KPOOL", kpool), ("TOPK", topk), ("TAIL", tail_width), ("WARPS", WARPS)],
         grid=(batch * threads, 1, 1),

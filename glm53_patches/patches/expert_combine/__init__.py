@@ -25,7 +25,7 @@ PATCH = Patch(
         f"{_SWITCH}:SwitchGLU._combine",
         f"{GLM5_NEXT}:Glm5NextMoE.__init__",
     ),
-    uses=("glm53_patches.kernels.hc_sinkhorn",),
+    uses=("glm53_patches.kernels.build",),
     numerics="exact",
     needs_verify_on=("cuda", "metal"),
     kernels_on=("cuda", "metal"),

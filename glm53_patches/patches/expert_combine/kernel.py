@@ -37,9 +37,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from glm53_patches.kernels import hc_sinkhorn
+from glm53_patches.backend import gpu_backend
+from glm53_patches.kernels.build import gpu_kernel
 
-gpu_backend = hc_sinkhorn.gpu_backend
 
 THREADS = 256
 MAX_K = 32  # col_reduce_small covers reductions of at most 32 rows
@@ -101,26 +101,8 @@ METAL_SOURCE = r"""
   out[i] = acc + shared[i];  // Add
 """
 
-_kernels = {}
-
-
-def _kernel(backend: str):
-    kernel = _kernels.get(backend)
-    if kernel is None:
-        common = dict(
-            name="glm53_expert_combine",
-            input_names=["routed", "weights", "shared", "sizes"],
-            output_names=["out"],
-            ensure_row_contiguous=True,
-        )
-        if backend == "cuda":
-            kernel = mx.fast.cuda_kernel(source=CUDA_SOURCE, header=CUDA_HEADER, **common)
-        elif backend == "metal":
-            kernel = mx.fast.metal_kernel(source=METAL_SOURCE, **common)
-        else:
-            raise ValueError(f"no expert_combine kernel for backend {backend!r}")
-        _kernels[backend] = kernel
-    return kernel
+KERNEL = dict(name="glm53_expert_combine", inputs=["routed", "weights", "shared", "sizes"], outputs=["out"],
+              cuda=(CUDA_SOURCE, CUDA_HEADER), metal=(METAL_SOURCE, ""))
 
 
 def unsupported(routed, weights, shared, backend=None) -> Optional[str]:
@@ -148,7 +130,7 @@ def expert_combine(routed, weights, shared, *, backend=None):
     *lead, k, hidden = routed.shape
     rows = routed.size // (k * hidden)
     total = rows * hidden
-    return _kernel(backend)(
+    return gpu_kernel(backend=backend, **KERNEL)(
         inputs=[routed, weights, shared, mx.array([rows], dtype=mx.int64)],
         template=[("T", routed.dtype), ("K", k), ("H", hidden)],
         grid=(-(-total // THREADS) * THREADS, 1, 1),

@@ -34,7 +34,7 @@ PATCH = Patch(
         "mlx_vlm.models.cache:ArraysCache.update_recurrent",
         "mlx_vlm.models.cache:ArraysCache.advance",
     ),
-    uses=("glm53_patches.kernels.hc_sinkhorn", "glm53_patches.patches.compiled_kda_decode.step"),
+    uses=("glm53_patches.kernels.build", "glm53_patches.patches.compiled_kda_decode.step"),
     numerics="exact",
     runs_before=("compiled_kda_decode",),  # the kernel first; what it does not take goes to the compiled step
     needs_verify_on=("cuda", "metal"),

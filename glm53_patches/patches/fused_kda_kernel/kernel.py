@@ -43,10 +43,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from glm53_patches.kernels import hc_sinkhorn
+from glm53_patches.backend import gpu_backend
+from glm53_patches.kernels.build import compiled_constant, gpu_kernel
 
-gpu_backend = hc_sinkhorn.gpu_backend
-compiled_constant = hc_sinkhorn.compiled_constant
 
 ROWS_PER_WARP = 4  # a head's D state rows are spread over D / 4 warps
 MAX_HEAD_DIM = 128  # one lane holds at most 4 of a row's values (CUDA: 8 of a norm's)
@@ -300,21 +299,8 @@ inline T kd_sigmoid(T x) {
 INPUTS = ["qkv", "window", "conv_w", "a", "beta_logit", "gate", "state", "A_log", "dt_bias", "o_weight", "scales", "consts", "mask"]
 OUTPUTS = ["out", "state_out", "window_out"]
 
-_kernels = {}
-
-
-def _kernel(backend: str):
-    kernel = _kernels.get(backend)
-    if kernel is None:
-        common = dict(name="glm53_fused_kda", input_names=INPUTS, output_names=OUTPUTS, ensure_row_contiguous=True)
-        if backend == "cuda":
-            kernel = mx.fast.cuda_kernel(source=CUDA_SOURCE, header=CUDA_HEADER + CUDA_HELPERS, **common)
-        elif backend == "metal":
-            kernel = mx.fast.metal_kernel(source=METAL_SOURCE, header=METAL_HEADER, **common)
-        else:
-            raise ValueError(f"no fused_kda kernel for backend {backend!r}")
-        _kernels[backend] = kernel
-    return kernel
+KERNEL = dict(name="glm53_fused_kda", inputs=INPUTS, outputs=OUTPUTS, cuda=(CUDA_SOURCE, CUDA_HEADER + CUDA_HELPERS),
+              metal=(METAL_SOURCE, METAL_HEADER))
 
 
 def unsupported(dtype, state, heads, head_dim, lower_bound, gate_params, conv_weight, backend=None) -> Optional[str]:
@@ -371,7 +357,7 @@ def fused_kda_step(qkv, window, conv_w, a, beta_logit, gate, state, A_log, dt_bi
     batch, heads, head_dim = state.shape[0], state.shape[1], state.shape[-1]
     has_mask = mask is not None
     warps = head_dim // ROWS_PER_WARP
-    return _kernel(backend)(
+    return gpu_kernel(backend=backend, **KERNEL)(
         inputs=[qkv, window, conv_w, a, beta_logit, gate, state, A_log, dt_bias, o_weight, scales, consts,
                 mask if has_mask else mx.ones((1,), dtype=mx.bool_)],
         template=[("H", heads), ("D", head_dim), ("KC", conv_w.shape[1]), ("FMA_NORM", int(fma_norm)),

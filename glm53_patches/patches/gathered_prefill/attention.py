@@ -37,6 +37,7 @@ import functools
 import mlx.core as mx
 
 from glm53_patches import config
+from glm53_patches.backend import gpu_backend
 
 from . import PATCH
 
@@ -62,9 +63,7 @@ CUDA_MIN_CONTEXT = 2**62  # never
 
 
 def default_min_context():
-    cuda = getattr(mx, "cuda", None)
-    on_cuda = mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
-    return CUDA_MIN_CONTEXT if on_cuda else DEFAULT_MIN_CONTEXT
+    return CUDA_MIN_CONTEXT if gpu_backend() == "cuda" else DEFAULT_MIN_CONTEXT
 
 def min_context():
     """GLM53_GATHERED_PREFILL_MIN_CONTEXT: keys below which stock runs (read per call)."""

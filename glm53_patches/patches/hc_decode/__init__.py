@@ -37,7 +37,7 @@ PATCH = Patch(
         f"{_HC}:hc_expand",
         f"{_HC}:_hc_expand_op",
     ),
-    uses=("glm53_patches.kernels.hc_sinkhorn",),
+    uses=("glm53_patches.kernels.hc_sinkhorn", "glm53_patches.kernels.build"),
     numerics="exact",
     # The CUDA and Metal kernels run only where `glm53-patches verify` passed
     # (or with GLM53_HC_DECODE_KERNEL=1); the compiled path runs elsewhere.

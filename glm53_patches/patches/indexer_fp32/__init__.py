@@ -32,7 +32,7 @@ PATCH = Patch(
     # The compiled path is bit-identical to stock on this CPU; the GPU kernels
     # sum in another order (and contract to FMA), so scores move by float32
     # ulps and near-tied pools can swap. Quality gate: PATCH.md.
-    uses=("glm53_patches.kernels.hc_sinkhorn",),
+    uses=("glm53_patches.kernels.build",),
     numerics="changing",
     needs_verify_on=("cuda", "metal"),
     kernels_on=("cuda", "metal"),

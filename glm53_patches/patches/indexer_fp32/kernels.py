@@ -31,9 +31,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from glm53_patches.kernels import hc_sinkhorn
+from glm53_patches.backend import gpu_backend  # noqa: F401 (score.py and tests look it up here)
+from glm53_patches.kernels.build import forget_kernels, gpu_kernel
 
-gpu_backend = hc_sinkhorn.gpu_backend  # one definition; score.py and tests look it up here
 
 LANES = 32  # threads per (query, pool): one warp / simdgroup
 THREADS = 256  # per block / threadgroup: 8 (query, pool) pairs
@@ -130,27 +130,8 @@ METAL_SOURCE = r"""
   }
 """
 
-_kernels = {}
-
-
-def _kernel(backend):
-    """Build (once, on first use) the kernel object; MLX compiles it at first launch."""
-    kernel = _kernels.get(backend)
-    if kernel is None:
-        common = dict(
-            name="glm53_indexer_fp32_scores",
-            input_names=["q", "keys", "ws", "candidates", "sizes"],
-            output_names=["out"],
-            ensure_row_contiguous=True,
-        )
-        if backend == "cuda":
-            kernel = mx.fast.cuda_kernel(source=CUDA_SOURCE, **common)
-        elif backend == "metal":
-            kernel = mx.fast.metal_kernel(source=METAL_SOURCE, **common)
-        else:
-            raise ValueError(f"no indexer_fp32 kernel for backend {backend!r}")
-        _kernels[backend] = kernel
-    return kernel
+KERNEL = dict(name="glm53_indexer_fp32_scores", inputs=["q", "keys", "ws", "candidates", "sizes"], outputs=["out"],
+              cuda=(CUDA_SOURCE, ""), metal=(METAL_SOURCE, ""))
 
 
 def unsupported(q, keys, ws, candidates, max_queries) -> Optional[str]:
@@ -178,7 +159,7 @@ def scores(backend, q, keys, ws, candidates=None):
     if not has_mask:
         candidates = mx.zeros((1,), dtype=mx.bool_)  # unread placeholder
     grid = pairs * LANES
-    return _kernel(backend)(
+    return gpu_kernel(backend=backend, **KERNEL)(
         inputs=[q, keys, ws, candidates, mx.array([length, pools, pairs], dtype=mx.int64)],
         template=[("T", q.dtype), ("H", heads), ("D", dim), ("HAS_MASK", has_mask)],
         grid=(grid, 1, 1),
@@ -189,4 +170,4 @@ def scores(backend, q, keys, ws, candidates=None):
 
 
 def clear():
-    _kernels.clear()
+    forget_kernels(KERNEL["name"])

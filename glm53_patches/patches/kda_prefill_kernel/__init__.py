@@ -39,6 +39,7 @@ PATCH = Patch(
         f"{_CACHE}.advance",
         f"{_CACHE}.make_mask",
     ),
+    uses=("glm53_patches.kernels.build",),
     numerics="changing",
     needs_verify_on=(),  # no hand-written kernels; plain MLX ops
     upstream="not yet proposed: a chunked gated_delta_ops for vectorized gates (PATCH.md)",

@@ -39,6 +39,9 @@ from typing import Optional
 
 import mlx.core as mx
 
+from glm53_patches.backend import gpu_backend
+from glm53_patches.kernels.build import gpu_kernel
+
 MAX_DK = 256  # 8 floats of state per lane and row; wider rows would spill registers
 _MAX_THREADS = 2**31 - 1  # MLX takes the grid as int
 THREADS = 128  # per block: 4 warps (no shared memory or block sync: blocks are just warp batches)
@@ -177,27 +180,12 @@ CUDA_SOURCE = r"""
 
 INPUT_NAMES = ["q", "k", "v", "g", "beta", "state_in", "mask", "sizes"]
 OUTPUT_NAMES = ["y", "state_out"]
-_kernel = None
-
-
-def _get_kernel():
-    """Build (once) the kernel object; MLX compiles each template instance at first launch."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="glm53_kda_prefill",
-            input_names=INPUT_NAMES,
-            output_names=OUTPUT_NAMES,
-            source=CUDA_SOURCE,
-            ensure_row_contiguous=True,
-        )
-    return _kernel
+KERNEL = dict(name="glm53_kda_prefill", inputs=INPUT_NAMES, outputs=OUTPUT_NAMES, cuda=(CUDA_SOURCE, ""))
 
 
 def cuda_available() -> bool:
     """The default device is a CUDA GPU."""
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+    return gpu_backend() == "cuda"
 
 
 def rows_per_warp(dk: int, dv: int) -> int:
@@ -255,7 +243,7 @@ def kernel_gated_delta(q, k, v, log_g, beta, state, mask=None, chunk=None, sub=N
         mask = mx.zeros((1,), dtype=mx.bool_)  # unread placeholder
     rows = rows_per_warp(Dk, Dv)
     warps = B * H * (Dv // rows)
-    y, state = _get_kernel()(
+    y, state = gpu_kernel(backend="cuda", **KERNEL)(
         inputs=[
             q, k, v, log_g.astype(f32), beta.astype(f32), state.astype(f32), mask,
             mx.array([T, warps], dtype=mx.int64),

@@ -24,6 +24,7 @@ from mlx_vlm.models import gated_delta as _gd
 from mlx_vlm.models.glm5_next import language as _lang
 
 from glm53_patches import config
+from glm53_patches.backend import gpu_backend
 from glm53_patches.log import once
 
 from . import NAME, PATCH
@@ -59,7 +60,7 @@ def _why_not(attn, x, mask):
         return "decode (length 1)"
     if attn.training:
         return "training"
-    if mx.default_device() == mx.gpu and mx.metal.is_available():
+    if gpu_backend() == "metal":
         return "metal (stock has a fused kernel)"
     if mask is not None and mask.dtype != mx.bool_:
         return "mask not bool"

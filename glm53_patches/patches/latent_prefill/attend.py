@@ -19,6 +19,8 @@ import mlx.core as mx
 from mlx_vlm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.models.glm5_next import language as _lang
 
+from glm53_patches.backend import gpu_backend
+
 from . import PATCH
 
 stats = PATCH.stats
@@ -31,7 +33,7 @@ GATHER_ELEMENTS = 1 << 28
 def _why_not(self, q, kv_cache, latent):
     if q.shape[2] <= _lang.DECODE_BLOCK_SIZE or self.training:
         return "decode path (short chunk)"
-    if mx.default_device() == mx.gpu and mx.metal.is_available():
+    if gpu_backend() == "metal":
         return "metal (stock has a fused kernel)"
     if (kv_cache is not None and type(kv_cache) not in (KVCache, BatchKVCache)) or not isinstance(latent, mx.array):
         return "cache type"  # quantized latents attend through their own SDPA path

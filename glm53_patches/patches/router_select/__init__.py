@@ -23,7 +23,7 @@ PATCH = Patch(
         f"{GLM5_NEXT}:MoEGate.__init__",
         "mlx_vlm.models.linear:tiled_linear",
     ),
-    uses=("glm53_patches.kernels.hc_sinkhorn",),
+    uses=("glm53_patches.kernels.build",),
     numerics="exact",
     needs_verify_on=("cuda", "metal"),
     kernels_on=("cuda", "metal"),

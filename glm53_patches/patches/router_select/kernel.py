@@ -30,7 +30,7 @@ the compiled tail). Here one warp (simdgroup) per row does it all:
   (CUDA ``row_reduce_simple``: chunks of 4 summed from 0 in order, chunk sums
   combined by the warp tree); the divide and scale are the compiled tail's
   ``Divide``/``Multiply`` with the constants a compiled kernel reads
-  (``hc_sinkhorn.compiled_constant``).
+  (``compiled_constant``).
 
 Metal: the same structure, mirroring MLX 0.32.4's Metal kernels for the
 same ops: the compiled head's ``Sigmoid`` (``kernels/unary_ops.h``, with
@@ -51,10 +51,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from glm53_patches.kernels import hc_sinkhorn
+from glm53_patches.backend import gpu_backend
+from glm53_patches.kernels.build import compiled_constant, gpu_kernel
 
-gpu_backend = hc_sinkhorn.gpu_backend
-compiled_constant = hc_sinkhorn.compiled_constant
 
 LANES = 32
 MAX_EXPERTS = 1024  # 32 experts per lane at most (the lane's taken-mask is 32 bits)
@@ -250,26 +249,8 @@ inline float metal_sigmoid(float x) {
 }
 """
 
-_kernels = {}
-
-
-def _kernel(backend: str):
-    kernel = _kernels.get(backend)
-    if kernel is None:
-        common = dict(
-            name="glm53_router_select",
-            input_names=["logits", "bias", "consts"],
-            output_names=["indices", "weights"],
-            ensure_row_contiguous=True,
-        )
-        if backend == "cuda":
-            kernel = mx.fast.cuda_kernel(source=CUDA_SOURCE, header=CUDA_HEADER + CUDA_HELPERS, **common)
-        elif backend == "metal":
-            kernel = mx.fast.metal_kernel(source=METAL_SOURCE, header=METAL_HEADER + METAL_SIGMOID, **common)
-        else:
-            raise ValueError(f"no router_select kernel for backend {backend!r}")
-        _kernels[backend] = kernel
-    return kernel
+KERNEL = dict(name="glm53_router_select", inputs=["logits", "bias", "consts"], outputs=["indices", "weights"],
+              cuda=(CUDA_SOURCE, CUDA_HEADER + CUDA_HELPERS), metal=(METAL_SOURCE, METAL_HEADER + METAL_SIGMOID))
 
 
 def unsupported(logits, bias, top_k, n_group, backend=None) -> Optional[str]:
@@ -305,7 +286,7 @@ def router_select(logits, bias, top_k, norm_topk_prob, routed_scaling_factor, *,
     rows = logits.size // experts
     consts = _constants(float(routed_scaling_factor))
     out_shape = (*logits.shape[:-1], top_k)
-    return _kernel(backend)(
+    return gpu_kernel(backend=backend, **KERNEL)(
         inputs=[logits, bias, consts],
         template=[
             ("E", experts),

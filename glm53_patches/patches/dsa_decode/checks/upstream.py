@@ -25,16 +25,6 @@ def kernel_wanted(backend):
     """The selection kernel runs on CUDA (checked bit-identical there); elsewhere the compiled path."""
     return backend == "cuda"
 ''',
-    "gpu_backend": '''
-def gpu_backend():
-    """'cuda' or 'metal' when the default device is a GPU, else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    return "cuda" if cuda is not None and cuda.is_available() else None
-''',
 }
 
 TEXT = {

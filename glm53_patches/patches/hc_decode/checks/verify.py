@@ -29,12 +29,13 @@ from mlx_vlm.models.glm5_next.config import TextConfig
 
 from glm53_patches import tiny_model
 from glm53_patches.exactness import Tally
+from glm53_patches.backend import current, gpu_backend
 from glm53_patches.kernels import hc_sinkhorn
 
 from .. import layer as _layer
 
 def backend_name():
-    return hc_sinkhorn.gpu_backend() or "cpu"
+    return current()
 
 
 def stock_layer_call():
@@ -62,7 +63,7 @@ def patched_instances(layers):
 
 def kernel_modes():
     """Kernel forced off everywhere; also forced on where a GPU kernel exists."""
-    return (False, True) if hc_sinkhorn.gpu_backend() else (False,)
+    return (False, True) if gpu_backend() else (False,)
 
 
 # -- random modules at real width ---------------------------------------------------------
@@ -125,7 +126,7 @@ def real_width_layer(dtype, seed=0, hidden=4096):
 
 def check_kernel(tally, hidden=4096, seeds=4, dtypes=(mx.bfloat16, mx.float32), batches=(1, 4)):
     """The one-launch collapse against upstream's HyperConnection.__call__ (GPU only)."""
-    backend = hc_sinkhorn.gpu_backend()
+    backend = gpu_backend()
     if backend is None:
         tally.notes.append("kernel: no GPU backend here, compiled path only")
         return
@@ -185,7 +186,7 @@ def tiny_language_model(bits=None):
         if bits is not None:
             raise
     else:
-        if bits is not None and hc_sinkhorn.gpu_backend() == "cuda":
+        if bits is not None and gpu_backend() == "cuda":
             # MLX's CUDA quantized matmul has no fp32-activation kernel for
             # these small shapes: run it as a real checkpoint is stored, bf16
             # except hyper-connections, A_log, dt_bias (the model's cast predicate).

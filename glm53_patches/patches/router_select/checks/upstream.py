@@ -24,30 +24,12 @@ def kernel_wanted(backend):
     """The kernel runs on CUDA (checked bit-identical there); the Metal twin has not run on a Mac yet."""
     return backend == "cuda"
 ''',
-    "gpu_backend": '''
-def gpu_backend():
-    """'cuda' or 'metal' when the default device is a GPU, else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    return "cuda" if cuda is not None and cuda.is_available() else None
-''',
-    "compiled_constant": '''
-@functools.lru_cache(maxsize=16)
-def compiled_constant(value):
-    """The float32 an ``mx.compile``d kernel reads for a captured Python float (it prints constants)."""
-    probe = mx.compile(lambda a: mx.abs(a) * value)
-    return probe(mx.ones((1,), dtype=mx.float32)).item()
-''',
 }
 
 TEXT = {
     "glm53_router_select": "glm5_next_router_select",
-    "(``hc_sinkhorn.compiled_constant``)": "(``compiled_constant``)",
     "Which one stock uses on a machine is what ``verify``\n  establishes": "Which one stock uses is a property of the backend\n  (order 0 on CUDA in MLX 0.32.x)",
-    "It has not run on any Mac; it runs\nonly where ``glm53-patches verify router_select`` passed there.": "It has not run on any Mac; it is not enabled there.",
+    "``glm53_patches/checks/metal`` type-checks the source MLX\ngenerates and runs it, emulated, against those stock texts; it has not run on\nany Mac, and runs only where ``glm53-patches verify router_select`` passed there.": "It has not run on any Mac; it is not enabled there.",
     "the kernel runs where ``glm53-patches verify router_select`` passed, or with\nGLM53_ROUTER_SELECT_KERNEL=1 (``glm53_patches/kernel_switch.py``).": "the kernel runs on CUDA, where it was checked bit-identical.",
 }
 
