@@ -270,8 +270,9 @@ def _stage_into(result, patch, described: Description, tree, work, models, run) 
     result.tests = _summary(tests, ("exit_code", "seconds", "counts", "passed", "failed", "outcomes",
                                     "enabled_at_import", "isolation", "blocked_imports", "mlx_vlm_file"))
     if described.fast_path:
+        root = patch.folder().parents[described.package.count(".")]  # the import root of an outside plugin too
         plugin = checks.plugin_logits(tree, models, patch.name, described.package, work / "plugin",
-                                      described.equivalence, plugin_fast_path(described))
+                                      described.equivalence, plugin_fast_path(described), str(root))
         staged_run = checks.staged_logits(repo, models, described.switch, described.switch_module,
                                           described.fast_path, work / "staged", described.equivalence)
         result.equivalence = _equivalence(patch, plugin, staged_run, work, described.gpu_only)

@@ -149,7 +149,7 @@ def staged_logits(repo: Path, models: Dict[str, str], switch: Optional[str], swi
 
 
 def plugin_logits(tree: Path, models: Dict[str, str], name: str, package: str, work: Path,
-                  equivalence: str = "logits", fast_path: Optional[str] = None) -> Dict:
+                  equivalence: str = "logits", fast_path: Optional[str] = None, package_root: str = "") -> Dict:
     """The same logits from the stock tree with the plugin's patch applied (and without).
 
     ``warm-cold``: ``fast_path`` names the plugin module whose
@@ -158,7 +158,7 @@ def plugin_logits(tree: Path, models: Dict[str, str], name: str, package: str, w
     job = {
         "task": "logits", "isolated": False, "tree": str(tree), "equivalence": equivalence,
         "plugin_module": fast_path,
-        "path": [str(tree), str(REPO_ROOT)] + site_path(), "models": models,
+        "path": [str(tree), str(REPO_ROOT)] + ([package_root] if package_root else []) + site_path(), "models": models,
         "plugin": {"name": name, "package": package}, "arrays": str(work / "plugin.safetensors"),
     }
     state = tempfile.mkdtemp(prefix="glm53-stage-state-")
@@ -168,18 +168,11 @@ def plugin_logits(tree: Path, models: Dict[str, str], name: str, package: str, w
         shutil.rmtree(state, ignore_errors=True)
 
 
-def bitwise_equal(a, b) -> bool:
-    import mlx.core as mx
-
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    view = {8: mx.uint64, 4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.itemsize]
-    return bool(mx.array_equal(a.view(view), b.view(view)).item())
-
-
 def compare_logits(plugin_file: Path, staged_file: Path) -> Dict:
     """Per case: staged == plugin, switch off == stock, staged == stock, and how far staged is from stock."""
     import mlx.core as mx
+
+    from ..exactness import same_bits
 
     plugin, staged = mx.load(str(plugin_file)), mx.load(str(staged_file))
     cases = sorted(k.split("/", 1)[1] for k in plugin if k.startswith("plugin/"))
@@ -187,10 +180,10 @@ def compare_logits(plugin_file: Path, staged_file: Path) -> Dict:
               "max_abs_diff_vs_stock": {}, "tokens_equal_stock": {}}
     for case in cases:
         stock, on = plugin[f"stock/{case}"], staged[f"staged/{case}"]
-        result["staged_equals_plugin"][case] = bitwise_equal(plugin[f"plugin/{case}"], on)
-        result["staged_equals_stock"][case] = bitwise_equal(stock, on)
+        result["staged_equals_plugin"][case] = same_bits(plugin[f"plugin/{case}"], on)
+        result["staged_equals_stock"][case] = same_bits(stock, on)
         if f"off/{case}" in staged:
-            result["off_equals_stock"][case] = bitwise_equal(stock, staged[f"off/{case}"])
+            result["off_equals_stock"][case] = same_bits(stock, staged[f"off/{case}"])
         if stock.shape == on.shape:
             result["max_abs_diff_vs_stock"][case] = mx.abs(stock.astype(mx.float32) - on.astype(mx.float32)).max().item()
             result["tokens_equal_stock"][case] = bool(mx.array_equal(mx.argmax(stock, -1), mx.argmax(on, -1)).item())

@@ -329,15 +329,16 @@ def upstream_module(source: str, module: str, target_path: str, described: Descr
             start = _comment_lines_above(lines, start)
         edits.append((start, end, []))
 
+    plugin_roots = {PLUGIN_ROOT, described.package.split(".")[0]}  # this package's and the patch's own (an outside one)
     for node in tree.body:
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] in ("mlx_vlm", PLUGIN_ROOT):
+                if alias.name.split(".")[0] in {"mlx_vlm"} | plugin_roots:
                     raise StageError(f"{where}: write `import {alias.name}` as a from-import")
         elif isinstance(node, ast.ImportFrom):
             source_module = _absolute(node, module)
             fulls = [f"{source_module}.{a.name}" for a in node.names]
-            if source_module.split(".")[0] == PLUGIN_ROOT:
+            if source_module.split(".")[0] in plugin_roots:
                 if source_module in mapped:
                     level, name = relative(mapped[source_module], target)
                     edits.append((*_span(node), [_from_import(level, name, node.names) + "\n"]))

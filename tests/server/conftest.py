@@ -19,8 +19,19 @@ def _free_port():
 
 
 class Server:
-    def __init__(self, process, port, log_path, model_dir):
+    def __init__(self, process, port, log_path, model_dir, state_dir=None):
         self.process, self.port, self.log_path, self.model = process, port, log_path, str(model_dir)
+        self.state_dir = state_dir
+
+    def published(self, serving=(), timeout=10):
+        """The status this server publishes, once every patch in ``serving`` has counted hits in it."""
+        path = self.state_dir / f"{self.process.pid}.json"
+        deadline = time.time() + timeout
+        while True:
+            report = json.loads(path.read_text())
+            if all(report["patches"][n]["stats"]["hits"] for n in serving) or time.time() > deadline:
+                return report
+            time.sleep(0.5)
 
     @property
     def url(self):
@@ -54,15 +65,16 @@ def stock_server(model_dir, tmp_path, env_extra=None, args=()):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLM53_", "APC_"))}
     env["HF_HUB_OFFLINE"] = "1"
     env.update(env_extra or {})
+    state_dir = tmp_path / "state"
     if env_extra:  # any GLM53_* variable wakes the bootstrap; keep its files in tmp
-        env["GLM53_PATCHES_STATE_DIR"] = str(tmp_path / "state")
+        env["GLM53_PATCHES_STATE_DIR"] = str(state_dir)
     log_path = tmp_path / f"server-{port}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, *args, "-m", "mlx_vlm.server", "--model", str(model_dir),
              "--host", "127.0.0.1", "--port", str(port)],
             env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(process, port, log_path, model_dir)
+    server = Server(process, port, log_path, model_dir, state_dir)
     try:
         deadline = time.time() + 240
         while True:

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 PROMPTS = [
@@ -25,17 +24,6 @@ def _answers(server):
 SERVING = ("compiled_kda_decode", "hc_decode", "dsa_decode", "gathered_prefill")
 
 
-def _published(state_dir, pid, timeout=10, serving=SERVING):
-    """The process's published status, once every serving patch's hits are in it."""
-    path = state_dir / f"{pid}.json"
-    deadline = time.time() + timeout
-    while True:
-        report = json.loads(path.read_text())
-        if all(report["patches"][n]["stats"]["hits"] for n in serving) or time.time() > deadline:
-            return report
-        time.sleep(0.5)
-
-
 def test_patched_server_answers_exactly_like_stock(server_factory, tiny_q4_dir, tmp_path):
     with server_factory(tiny_q4_dir, args=("-X", "importtime")) as stock:
         stock_answers = _answers(stock)
@@ -45,7 +33,7 @@ def test_patched_server_answers_exactly_like_stock(server_factory, tiny_q4_dir, 
 
     with server_factory(tiny_q4_dir, env={"GLM53_PATCHES": "all"}) as patched:
         patched_answers = _answers(patched)
-        report = _published(tmp_path / "state", patched.process.pid)
+        report = patched.published(SERVING)
         cli = subprocess.run([sys.executable, "-m", "glm53_patches.cli", "status", "--json"], capture_output=True,
                              text=True, env={"GLM53_PATCHES_STATE_DIR": str(tmp_path / "state"), "PATH": ""})
         log = patched.log()
@@ -104,7 +92,7 @@ def test_dequantized_experts_serves_prefill_exactly_like_stock(server_factory, t
            "GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS": "9"}
     with server_factory(tiny_q4_dir, env=env) as patched:
         patched_answers = _answers(patched)
-        report = _published(tmp_path / "state", patched.process.pid, serving=("dequantized_experts",))
+        report = patched.published(("dequantized_experts",))
     assert patched_answers == stock_answers
     stats = report["patches"]["dequantized_experts"]["stats"]
     assert stats["hits"].get("dequantized", 0) > 0 and stats["fallbacks"].get("not a prefill chunk", 0) > 0

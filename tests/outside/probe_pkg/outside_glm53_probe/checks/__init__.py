@@ -1,0 +1,1 @@
+"""outside_probe's verify check and staging data."""
