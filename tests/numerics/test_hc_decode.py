@@ -181,7 +181,8 @@ def test_kernel_stays_off_without_a_gpu(monkeypatch):
 
 def test_verify_reports_exact_on_this_backend():
     result = hc_decode.PATCH.verify()
-    assert set(result) == {"exact", "max_abs_diff", "cases", "detail"}
+    assert set(result) == {"exact", "max_abs_diff", "cases", "detail", "case_results"}
+    assert len(result["case_results"]) == result["cases"]
     assert result["exact"] is True, result["detail"]
     assert result["cases"] >= 8
     assert result["max_abs_diff"] == 0.0

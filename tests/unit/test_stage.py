@@ -172,12 +172,25 @@ def test_upstream_module_is_the_plugin_module(name, releases):
             if not isinstance(node, (ast.Import, ast.ImportFrom))
             and not (_top_level_names(ast.Module([node], [])) & (gone | replaced))
         ]
+        # Rule 6: definitions of the shared helpers the module imports, copied in verbatim.
+        helpers = {base for base, _, _ in _imports(plugin_tree, module) if base in source.INLINED}
+        helper_nodes = {name: node for helper in helpers
+                        for node in ast.parse(Path(importlib.util.find_spec(helper).origin).read_text()).body
+                        for name in _top_level_names(ast.Module([node], []))}
+        inlined = [node for node in upstream_tree.body if not isinstance(node, (ast.Import, ast.ImportFrom))
+                   and _top_level_names(ast.Module([node], [])) & set(helper_nodes)
+                   and not _top_level_names(ast.Module([node], [])) & _top_level_names(ast.Module(
+                       [n for n in plugin_tree.body if not isinstance(n, (ast.Import, ast.ImportFrom))], []))]
+        for node in inlined:
+            (name, *_) = sorted(_top_level_names(ast.Module([node], [])))
+            assert ast.dump(node) == ast.dump(helper_nodes[name]), name
         upstream = [
             ast.dump(node)
             for node in upstream_tree.body
             if not isinstance(node, (ast.Import, ast.ImportFrom))
             and not (described.switch and _top_level_names(ast.Module([node], [])) == {"ENABLED"})
             and not (_top_level_names(ast.Module([node], [])) & replaced)
+            and node not in inlined
         ]
         assert upstream == kept
         assert replaced <= _top_level_names(upstream_tree)
@@ -197,7 +210,10 @@ def test_upstream_module_is_the_plugin_module(name, releases):
         plugin_imports = {i for i in plugin_imports
                           if _bound_name(i) in upstream_used or _bound_name(i) not in plugin_used}
         upstream_imports = _imports(upstream_tree, upstream_module)
-        assert upstream_imports - {("os", None, None)} == plugin_imports - {("os", None, None)}
+        helper_imports = set().union(*(_imports(ast.parse(Path(importlib.util.find_spec(h).origin).read_text()), h)
+                                       for h in helpers)) if helpers else set()
+        assert upstream_imports - {("os", None, None)} - helper_imports == plugin_imports - {("os", None, None)} - helper_imports
+        assert helper_imports >= upstream_imports - plugin_imports - {("os", None, None)}
         enabled = [n for n in upstream_tree.body if _top_level_names(ast.Module([n], [])) == {"ENABLED"}]
         if described.switch and module == next(iter(described.modules)):  # the switch module
             assert ("os", None, None) in upstream_imports

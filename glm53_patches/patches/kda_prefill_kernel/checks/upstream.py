@@ -22,7 +22,7 @@ REPLACE = {
 def chunk_size():
     """MLX_VLM_GLM5_KDA_PREFILL_CHUNK: tokens per chunk, one of 16, 32, 64, 128 (default 16)."""
     chunk = int(os.environ.get("MLX_VLM_GLM5_KDA_PREFILL_CHUNK", DEFAULT_CHUNK))
-    return chunk if chunk in _CHUNKS else DEFAULT_CHUNK
+    return chunk if chunk in (16, 32, 64, 128) else DEFAULT_CHUNK
 ''',
     "method": '''
 def method():
