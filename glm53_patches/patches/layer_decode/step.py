@@ -101,7 +101,7 @@ _WATCHED = _watched()
 
 def _token():
     """What the compiled functions depend on besides shapes; compared once per step."""
-    installed = tuple(namespace.get(name) for namespace, name in _WATCHED)
+    installed = tuple([namespace.get(name) for namespace, name in _WATCHED])
     applied = tuple(registry.applied())
     backend = hc_sinkhorn.gpu_backend()
     decisions = ()
@@ -344,6 +344,7 @@ def decode_step(model, inputs, inputs_embeds=None, cache=None, attention_mask=No
     topk = None
     for entry, layer, layer_cache in zip(plan.entries, layers, cache):
         h, topk = entry.run(plan, layer, h, attention_mask, layer_cache, topk)
+    _layer._CURRENT[0] = None  # keep no layer alive
     h = model.norm(h.mean(axis=2))
     if hidden_sink is not None:
         hidden_sink.append(h)

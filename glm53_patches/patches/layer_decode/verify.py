@@ -19,6 +19,7 @@ before are reverted for the check and applied again after it.
 """
 
 import contextlib
+import logging
 import time
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ import mlx.core as mx
 from glm53_patches import registry
 from glm53_patches.exactness import Tally, _served_dtype, same_bits
 from glm53_patches.kernels import hc_sinkhorn
+from glm53_patches.log import log
 
 from . import PATCH
 
@@ -115,6 +117,8 @@ def verify():
     start = time.perf_counter()
     before = registry.applied()
     forced = [n for n, e in registry.status()["patches"].items() if n in before and e.get("forced")]
+    level = log.level
+    log.setLevel(logging.WARNING)  # the many applies and reverts below are not news
     registry.revert()
     arms = [("alone", (), None), ("with decode patches, kernels off", DECODE, False)]
     if hc_sinkhorn.gpu_backend() is not None:
@@ -145,6 +149,7 @@ def verify():
     finally:
         registry.revert()
         registry.apply(before, force=forced)
+        log.setLevel(level)
     for patch, n in sorted(ran.items()):
         if not n:
             tally.mismatches.append(f"{patch}'s kernel never ran inside the compiled layers")
