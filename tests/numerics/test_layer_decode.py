@@ -146,8 +146,16 @@ def test_greedy_decode_bit_identical_batch_1(request, which, others):
     assert_same_decode(stock, expected)
 
     enable(*others, NAME)
+    patches = registry.available()
+    before = {name: patches[name].stats.snapshot() for name in others}
     actual = decode(language_model, prompt)
     assert_same_decode(stock, actual)
+    if others:  # the other patches' code ran inside: traced once per kind, or (the indexer) every step
+        rose = {name: patches[name].stats.snapshot() != before[name] for name in others}
+        assert all(rose.values()), rose
+        full_dsa = sum(not layer.is_linear and layer.self_attn.indexer is not None for layer in language_model.layers)
+        indexer = patches["dsa_decode"].stats.snapshot()["hits"]["indexer"] - before["dsa_decode"]["hits"].get("indexer", 0)
+        assert indexer == STEPS * full_dsa
     hits, fallbacks = counts()
     assert {k: v for k, v in hits.items() if "layer" in k} == expected_hits(language_model, STEPS)
     # One trace per layer kind and function, none again; the prefill stepped aside.
@@ -444,7 +452,8 @@ def test_status_reports_kinds_and_traces(fp32_model):
     for attention in ("kda", "dsa", "dsa-shared"):
         layers = sum(n for (a, _), n in kinds.items() if a == attention)
         assert f"{attention} x{layers}" in entry["detail"], entry["detail"]
-    assert "hc_decode" in entry["detail"] and "traces" in entry["detail"]
+    assert f"{expected_traces(fp32_model.language_model)} traces + 0 retraces" in entry["detail"], entry["detail"]
+    assert "hc_decode" in entry["detail"]
 
 
 def test_verify_reports_exact_on_this_backend():

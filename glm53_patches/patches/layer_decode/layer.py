@@ -123,7 +123,7 @@ _CURRENT = [None]
 _KEYS = itertools.count()
 # function key -> the input signatures it has been traced for.
 _TRACED = {}
-# (label, input shapes, seconds of Python tracing), in order.
+# (label, input shapes, seconds of Python tracing, retrace or not), in order.
 TRACES = []
 
 
@@ -138,9 +138,10 @@ def _tracing(key, label, arrays, params):
     shapes = _shapes(arrays)
     yield bind(skeleton(_CURRENT[0]), params)
     seen = _TRACED.setdefault(key, set())
-    stats.hit("retrace" if seen else "trace")  # a retrace: this function, a new input shape
+    retrace = bool(seen)  # this function again, for a new input shape
+    stats.hit("retrace" if retrace else "trace")
     seen.add(shapes)
-    TRACES.append((label, shapes, time.perf_counter() - start))
+    TRACES.append((label, shapes, time.perf_counter() - start, retrace))
 
 
 # -- the hyper-connections, as hc_decode runs them ---------------------------------------
@@ -184,10 +185,8 @@ def kda_function(label, hc_kernels, masked):
             return _ffn(hc_kernels, layer, out, x, post, comb), cache[0], cache[1]
 
     if masked:
-        fn = mx.compile(body)
-    else:
-        fn = mx.compile(lambda x, window, state, params: body(x, None, window, state, params))
-    return fn
+        return mx.compile(body)
+    return mx.compile(lambda x, window, state, params: body(x, None, window, state, params))
 
 
 def dsa_front_function(label, hc_kernels):
@@ -211,8 +210,7 @@ def dsa_front_function(label, hc_kernels):
             # -- _attend's query (q of the one token: q[:, :, 0:1] is q) --
             return h, q_resid, attn.embed_q(q), new_latent, post, comb
 
-    fn = mx.compile(body)
-    return fn
+    return mx.compile(body)
 
 
 def dsa_back_function(label, hc_kernels):
@@ -231,8 +229,7 @@ def dsa_back_function(label, hc_kernels):
             out = _lang.linear(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(out.shape[0], 1, -1))
             return _ffn(hc_kernels, layer, out, x, post, comb)
 
-    fn = mx.compile(body)
-    return fn
+    return mx.compile(body)
 
 
 def clear():

@@ -379,8 +379,9 @@ def report():
     parts = []
     if kinds:
         parts.append("layers: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))
-    parts.append(f"{len(traces)} traces, {seconds:.2f} s of Python tracing"
-                 + (f" (batch sizes {sorted({t[1][0][0][0] for t in traces})})" if traces else ""))
+    retraces = sum(t[3] for t in traces)
+    parts.append(f"{len(traces) - retraces} traces + {retraces} retraces (new shapes), {seconds:.2f} s of Python tracing"
+                 + (f", batch sizes {sorted({t[1][0][0][0] for t in traces})}" if traces else ""))
     if applied:
         parts.append("runs " + ", ".join(f"{n} ({COMPOSES[n]})" for n in applied))
     return "; ".join(parts)
