@@ -1,6 +1,6 @@
 """Graph-build time and primitives of one decode step: stock, the decode patches, and with layer_decode.
 
-``python -m glm53_patches.patches.layer_decode.bench [--rounds N] [--steps N] [--layers 8|45] [--bits 4]``
+``python -m glm53_patches.patches.layer_decode.bench [--rounds N] [--steps N] [--layers 8|45] [--bits 4] [--batch 3]``
 
 The tiny model (``glm53_patches.tiny_model``; ``--layers 45`` repeats its
 layer kinds to GLM-5.3-Flash's 45 layers: 34 KDA, 11 DSA with full indexers,
@@ -41,12 +41,23 @@ def model(layers, bits):
     return build_model(seed=0, quantize_bits=bits, **overrides).language_model
 
 
-def run(language_model, steps, warmup):
+def prompt(language_model, batch):
+    """Batch 1: the prompt and a plain cache; 3: three prompts left-padded in mlx-vlm's batch caches (the server's)."""
+    from mlx_vlm.generate.ar import _make_cache
+
+    if batch == 1:
+        return mx.array([PROMPT]), language_model.make_cache()
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:5]]
+    padding = [len(PROMPT) - len(p) for p in prompts]
+    return mx.array([[0] * pad + p for pad, p in zip(padding, prompts)]), _make_cache(language_model, padding)
+
+
+def run(language_model, steps, warmup, batch=1):
     """(build seconds, build CPU seconds, eval seconds) per step after ``warmup``, the first step's, primitives."""
     from glm53_patches.bench.measure import count_primitives
 
-    cache = language_model.make_cache()
-    logits = language_model(mx.array([PROMPT]), cache=cache).logits[:, -1]
+    tokens, cache = prompt(language_model, batch)
+    logits = language_model(tokens, cache=cache).logits[:, -1]
     mx.eval(logits)
     rows, first, primitives = [], None, None
     for step in range(warmup + steps):
@@ -76,6 +87,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bits", type=int, choices=(4, 8), default=None)
+    parser.add_argument("--batch", type=int, choices=(1, 3), default=1)
     args = parser.parse_args(argv)
     language_model = model(args.layers, args.bits)
     medians = {arm: [] for arm in ARMS}
@@ -85,12 +97,13 @@ def main(argv=None):
             glm53_patches.disable()
             if ARMS[arm]:
                 glm53_patches.enable(ARMS[arm], strict=True)
-            rows, first, counted = run(language_model, args.steps, args.warmup)
+            rows, first, counted = run(language_model, args.steps, args.warmup, args.batch)
             firsts.setdefault(arm, first)
             primitives[arm] = counted
             medians[arm].append(tuple(statistics.median(r[i] for r in rows) for i in range(3)))
     glm53_patches.disable()
-    print(f"tiny model, {args.layers} layers, {'fp32' if args.bits is None else f'{args.bits}-bit'}, batch 1, "
+    batch = "batch 1" if args.batch == 1 else "a left-padded batch of 3"
+    print(f"tiny model, {args.layers} layers, {'fp32' if args.bits is None else f'{args.bits}-bit'}, {batch}, "
           f"{args.rounds} interleaved rounds x {args.steps} steps (after {args.warmup} warm-up); "
           "ms per step: median of round medians [min-max]")
     print(f"{'arm':22} {'build (wall)':>22} {'build (thread CPU)':>22} {'eval':>22} {'first step build':>17} "

@@ -173,11 +173,16 @@ def _ffn(hc_kernels, layer, out, x, post, comb):
 
 
 def kda_function(label, hc_kernels, masked):
-    """The compiled KDA layer: ``(x, [mask,] window, state, layer) -> (x, window, state)``."""
+    """The compiled KDA layer: ``(x, [left padding, advance,] window, state, layer) -> (x, window, state)``.
+
+    With left padding, the mask is ``ArraysCache.make_mask(1)``'s, computed in
+    the graph (integers, exact): ``arange(1) >= left_padding - advance``.
+    """
     key = next(_KEYS)
 
-    def body(x, mask, window, state, params):
-        with _tracing(key, label, (x, mask, window, state), params) as layer:
+    def body(x, left_padding, advance, window, state, params):
+        with _tracing(key, label, (x, left_padding, advance, window, state), params) as layer:
+            mask = None if left_padding is None else mx.arange(x.shape[1]) >= (left_padding - advance)[:, None]
             h, post, comb = _collapse(hc_kernels, layer.attn_hc, layer.input_layernorm, x)
             cache = ArraysCache(2)  # what the installed mixer reads and writes
             cache[0], cache[1] = window, state
@@ -186,7 +191,7 @@ def kda_function(label, hc_kernels, masked):
 
     if masked:
         return mx.compile(body)
-    return mx.compile(lambda x, window, state, params: body(x, None, window, state, params))
+    return mx.compile(lambda x, window, state, params: body(x, None, None, window, state, params))
 
 
 def dsa_front_function(label, hc_kernels):

@@ -269,11 +269,14 @@ class Kda:
         if window is None or state is None:
             return _eager(layer, h, mask, cache, topk, "no state")
         _layer._CURRENT[0] = layer
-        # create_ssm_mask(h[:, :, 0], cache) is cache.make_mask(1): None without left padding.
-        if cache._left_padding is None:
+        # create_ssm_mask(h[:, :, 0], cache) is cache.make_mask(1): None without
+        # left padding, else built inside the graph from the padding and the advance.
+        padding = cache._left_padding
+        if padding is None:
             h, window, state = self.plain(h, window, state, layer)
         else:
-            h, window, state = self.masked(h, cache.make_mask(1), window, state, layer)
+            advance = _advance(cache._left_padding_advance, padding.dtype)
+            h, window, state = self.masked(h, padding, advance, window, state, layer)
         # What the stock mixer leaves in a cache without speculation or lengths:
         # update_window(0, ...), update_recurrent(1, ...), advance(1).
         cache[0] = window
@@ -281,6 +284,15 @@ class Kda:
         cache.advance(1)
         self.tally.hits += 1
         return h, topk
+
+
+_ADVANCE = [None, None]  # (count, dtype), its array: every KDA cache of a step shares one
+
+
+def _advance(count, dtype):
+    if _ADVANCE[0] != (count, dtype):
+        _ADVANCE[:] = (count, dtype), mx.array(count, dtype=dtype)
+    return _ADVANCE[1]
 
 
 class Dsa:
@@ -401,4 +413,5 @@ def clear():
         plan.retire()
     _PLANS.clear()
     _FUNCTIONS.clear()
+    _ADVANCE[:] = None, None
     _layer.clear()
