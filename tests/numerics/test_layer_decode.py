@@ -412,12 +412,14 @@ def test_reverting_a_composed_patch_replans(q4_model):
     assert "hc_decode" not in layer_decode.step.report()
 
 
-def test_revert_restores_the_original_object():
+def test_revert_restores_the_original_object(fp32_model):
     from mlx_vlm.models.glm5_next import language
 
     original = language.Glm5NextTextModel.__dict__["__call__"]
     enable(NAME)
     assert language.Glm5NextTextModel.__dict__["__call__"] is not original
+    decode(fp32_model.language_model, mx.array([PROMPT]), steps=2)
+    assert layer_decode.step._FUNCTIONS and layer_decode.step._PLANS
     glm53_patches.disable([NAME])
     assert language.Glm5NextTextModel.__dict__["__call__"] is original
     assert list(layer_decode.PATCH.targets) == [TARGET]

@@ -50,13 +50,13 @@ stats = PATCH.stats
 
 # Patches whose code this one runs, and how (the report lists the applied ones).
 COMPOSES = {
-    "hc_decode": "hyper-connections (its kernel where it runs)",
+    "hc_decode": "hyper-connections, its kernel where it runs",
     "compiled_kda_decode": "traced in KDA layers",
     "fused_kda_kernel": "traced in KDA layers",
     "router_select": "traced in MoE layers",
     "expert_combine": "traced in MoE layers",
-    "dsa_decode": "indexer (eager) and row gather",
-    "indexer_fp32": "indexer (eager)",
+    "dsa_decode": "eager indexer, row gather",
+    "indexer_fp32": "eager indexer",
     "kda_prefill_kernel": "prefill",
     "dequantized_experts": "prefill",
     "gathered_prefill": "prefill",
