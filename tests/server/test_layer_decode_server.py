@@ -48,6 +48,7 @@ def test_served_answers_equal_stock_and_its_layers_served_them(server_factory, t
             report = _published(tmp_path / "state", patched.process.pid)
             status = subprocess.run([sys.executable, "-m", "glm53_patches.cli", "status"], capture_output=True,
                                     text=True, env={"GLM53_PATCHES_STATE_DIR": str(tmp_path / "state"), "PATH": ""})
+            served = status.stdout.split(f"process {patched.process.pid}:")[1].split("\nprocess ")[0]
         assert answers == expected, env
         entry = report["patches"][NAME]
         assert entry["state"] == "applied", (env, entry)
@@ -60,5 +61,5 @@ def test_served_answers_equal_stock_and_its_layers_served_them(server_factory, t
         # concurrent requests decode at more than one batch size, which traces afresh.
         assert hits["trace"] >= 4 and hits["retrace"] >= 1, hits
         assert "traces" in entry["detail"] and "kda x5" in entry["detail"], entry["detail"]
-        line = next(line for line in status.stdout.splitlines() if line.strip().startswith(NAME) and "hits" in line)
-        assert "applied" in line, status.stdout
+        line = next(line for line in served.splitlines() if line.strip().startswith(NAME))
+        assert "applied; hits" in line, status.stdout
