@@ -199,6 +199,19 @@ def decode_topk(self, x, q_resid, padding_mask=None, cache=None, pool_cache=None
     return mx.where(query_valid[..., None], topk, -1).astype(mx.int32)
 
 
+def select_rows(latent, topk):
+    """The latent rows a decode token attends to, ``[B, 1, K, C]``, and their validity ``[B, 1, K]``.
+
+    Pure; layer_decode calls it between its compiled halves of a DSA layer.
+    """
+    batch, _, length, channels = latent.shape
+    selected_indices = topk[:, 0:1]
+    valid = (selected_indices >= 0) & (selected_indices < length)
+    safe = mx.clip(selected_indices, 0, max(length - 1, 0))
+    rows = (safe[:, 0] + (mx.arange(batch) * length)[:, None]).reshape(-1)
+    return latent.reshape(batch * length, channels)[rows].reshape(batch, 1, -1, channels), valid
+
+
 def decode_attend(self, q, latent, new_latent, topk, kv_cache, projected_cache, last_only=False):
     """``self._attend(...)`` for one decode token; None, having touched nothing, elsewhere."""
     if q.shape[2] != 1 or self.training:
@@ -207,12 +220,8 @@ def decode_attend(self, q, latent, new_latent, topk, kv_cache, projected_cache, 
     if type(kv_cache) not in (KVCache, BatchKVCache) or not isinstance(latent, mx.array):
         stats.fallback("cache type")  # quantized latents attend through their own SDPA path
         return None
-    batch, _, length, channels = latent.shape
-    selected_indices = topk[:, 0:1]
-    valid = (selected_indices >= 0) & (selected_indices < length)
-    safe = mx.clip(selected_indices, 0, max(length - 1, 0))
-    rows = (safe[:, 0] + (mx.arange(batch) * length)[:, None]).reshape(-1)
-    selected = latent.reshape(batch * length, channels)[rows].reshape(batch, 1, -1, channels)
+    batch = latent.shape[0]
+    selected, valid = select_rows(latent, topk)
     query = self.embed_q(q)
     output = _lang.scaled_dot_product_attention(
         query, selected, selected, cache=kv_cache, scale=self.scale, mask=valid[:, None]

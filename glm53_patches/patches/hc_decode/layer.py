@@ -177,7 +177,7 @@ def _compiled(role, hc, norm, use_kernel):
     return fn
 
 
-def _use_kernel(hc, x):
+def use_kernel(hc, x):
     """Kernel for this hyper-connection? False (the compiled path runs) where it cannot cover the call."""
     backend = hc_sinkhorn.gpu_backend()
     if not kernel_wanted(backend):
@@ -188,6 +188,19 @@ def _use_kernel(hc, x):
         return False
     hc_sinkhorn.compiled_constant(hc.hc_eps)  # probe (it evaluates) before any trace needs it
     return True
+
+
+def collapse(hc, norm, x, kernel):
+    """``norm(collapsed), post, comb`` of ``hc(x)`` as one compiled call (``kernel``: ``use_kernel``'s answer).
+
+    Pure: layer_decode calls it inside its own traces, where it is inlined.
+    """
+    return _compiled("collapse", hc, norm, kernel)(x, dict(hc), dict(norm))
+
+
+def expand_collapse(hc, norm, out, x, post, comb, kernel):
+    """``hc_expand(out, x, post, comb)``, then ``collapse`` of the result with ``hc``: ``x, h, post, comb``."""
+    return _compiled("expand_collapse", hc, norm, kernel)(out, x, post, comb, dict(hc), dict(norm))
 
 
 def _why_not(layer, x):
@@ -217,9 +230,8 @@ def decode_step(layer, x, mask=None, cache=None, prev_topk_indices=None):
         return None
     attn_hc, ffn_hc = layer.attn_hc, layer.ffn_hc
 
-    kernel = _use_kernel(attn_hc, x)
-    collapse = _compiled("collapse", attn_hc, layer.input_layernorm, kernel)
-    h, post, comb = collapse(x, dict(attn_hc), dict(layer.input_layernorm))
+    kernel = use_kernel(attn_hc, x)
+    h, post, comb = collapse(attn_hc, layer.input_layernorm, x, kernel)
     stats.hit("kernel" if kernel else "compiled")
     if layer.is_linear:
         out = layer.self_attn(h, mask, cache)
@@ -227,11 +239,8 @@ def decode_step(layer, x, mask=None, cache=None, prev_topk_indices=None):
     else:
         out, topk = layer.self_attn(h, mask, cache, prev_topk_indices)
 
-    kernel = _use_kernel(ffn_hc, x)
-    expand_collapse = _compiled("expand_collapse", ffn_hc, layer.post_attention_layernorm, kernel)
-    x, h, post, comb = expand_collapse(
-        out, x, post, comb, dict(ffn_hc), dict(layer.post_attention_layernorm)
-    )
+    kernel = use_kernel(ffn_hc, x)
+    x, h, post, comb = expand_collapse(ffn_hc, layer.post_attention_layernorm, out, x, post, comb, kernel)
     stats.hit("kernel" if kernel else "compiled")
     out = layer.mlp(h)
     stats.hit("layer")

@@ -1,0 +1,1 @@
+"""layer_decode's checks and benchmarks: never imported at run time."""

@@ -1,0 +1,417 @@
+"""The replacement for ``Glm5NextTextModel.__call__``: a decode step as compiled layer functions.
+
+For one token per row, the stock step embeds, repeats the hidden state over
+the hyper-connection streams, then calls every ``DecoderLayer`` through its
+(possibly patched) ``__call__``, which checks, per call and per module, what
+to run. Here the step runs the same embedding and final norm, and each layer
+as ``layer.py``'s compiled functions. What those functions depend on beyond
+input shapes is decided once per step, not once per layer call:
+
+- the *composition* (``_token``): which upstream objects are installed where
+  the layer functions call them (stock's, the project's patches', or a test's
+  or a verify's swap), which patches are applied, the backend, and the GPU
+  kernel switches of the patches whose code runs inside the traces. A change
+  builds new functions (traced afresh); a patch this one does not know that
+  touches model code makes it step aside altogether;
+- the *plan* per model: each layer's kind (KDA, DSA with its own or a shared
+  top-k selection; MoE or MLP) and its compiled functions, shared by every
+  layer with the same module classes and settings, so there is one trace per
+  layer kind and input shape.
+
+Per layer call only the cache's state is checked (a speculating or ragged
+KDA cache, an unexpected cache type), and a hit is one in-place increment.
+Prefill, speculative verify blocks (more than one token), training and
+layers of another shape of module run the installed stock chain.
+"""
+
+import functools
+import sys
+import weakref
+from collections import Counter
+
+import mlx.core as mx
+
+from mlx_vlm.models import cache as _cache
+from mlx_vlm.models import gated_delta as _gated
+from mlx_vlm.models import mla as _mla
+from mlx_vlm.models import switch_layers as _switch
+from mlx_vlm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache
+from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
+from mlx_vlm.models.glm5_next import language as _lang
+
+from glm53_patches import registry
+from glm53_patches.kernels import hc_sinkhorn
+
+from . import PATCH
+from . import layer as _layer
+from .counts import Tally
+
+stats = PATCH.stats
+
+# Patches whose code this one runs, and how (the report lists the applied ones).
+COMPOSES = {
+    "hc_decode": "hyper-connections, its kernel where it runs",
+    "compiled_kda_decode": "traced in KDA layers",
+    "fused_kda_kernel": "traced in KDA layers",
+    "router_select": "traced in MoE layers",
+    "expert_combine": "traced in MoE layers",
+    "dsa_decode": "eager indexer, row gather",
+    "indexer_fp32": "eager indexer",
+    "kda_prefill_kernel": "prefill",
+    "dequantized_experts": "prefill",
+    "gathered_prefill": "prefill",
+    "latent_prefill": "prefill",
+}
+# The patches whose kernel switch is read inside the traces: (module, what answers for a backend).
+_SWITCHES = {
+    "hc_decode": ("glm53_patches.patches.hc_decode.layer", lambda m: m.kernel_wanted),
+    "fused_kda_kernel": ("glm53_patches.patches.fused_kda_kernel.step", lambda m: m.switch.wanted),
+    "router_select": ("glm53_patches.patches.router_select.gate", lambda m: m.switch.wanted),
+    "expert_combine": ("glm53_patches.patches.expert_combine.combine", lambda m: m.switch.wanted),
+}
+
+
+def _watched():
+    """(namespace, name) of every upstream object the layer functions look up when they trace."""
+    names = {
+        _lang: ["linear", "tiled_linear", "_expert_select", "_limited_swiglu", "gated_delta_update",
+                "scaled_dot_product_attention", "create_ssm_mask"],
+        _lang.DecoderLayer: ["__call__"],
+        _lang.Glm5NextLinearAttention: ["__call__"],
+        _lang.ShortConv1d: ["__call__"],
+        _lang.Glm5NextAttention: ["__call__", "_attend"],
+        _lang.MoEGate: ["__call__"],
+        _lang.Glm5NextMLP: ["__call__"],
+        _lang.LimitedSwiGLU: ["__call__"],
+        _switch.MoE: ["__call__"],
+        _switch.SwitchGLU: ["__call__", "_combine"],
+        _switch.SwitchLinear: ["__call__"],
+        _switch.QuantizedSwitchLinear: ["__call__"],
+        _hc.HyperConnection: ["__call__", "_mix"],
+        _hc: ["hc_expand", "_hc_expand_op", "_hc_ops", "_hc_kernel", "_hc_split_sinkhorn_ops"],
+        ArraysCache: ["update_window", "update_recurrent", "advance", "make_mask"],
+        _gated: ["gated_delta_ops", "gated_delta_kernel", "compute_g_safe", "compute_g", "_gated_delta_step_ops"],
+        _mla.MultiLinear: ["__call__"],
+    }
+    return tuple((vars(owner), name) for owner, attrs in names.items() for name in attrs)
+
+
+_WATCHED = _watched()
+
+
+def _token():
+    """What the compiled functions depend on besides shapes; compared once per step."""
+    installed = tuple([namespace.get(name) for namespace, name in _WATCHED])
+    applied = tuple(registry.applied())
+    backend = hc_sinkhorn.gpu_backend()
+    decisions = ()
+    if backend is not None:  # off a GPU no switch can turn a kernel on
+        decisions = tuple(
+            (name, getter(sys.modules[module])(backend))
+            for name, (module, getter) in _SWITCHES.items()
+            if name in applied and module in sys.modules
+        )
+    return installed, applied, str(mx.default_device()), decisions
+
+
+# -- plans -----------------------------------------------------------------------------------
+
+
+class Plan:
+    """One model's layers under one composition: an entry per layer."""
+
+    def __init__(self, model, token):
+        self.model = weakref.ref(model, lambda _, key=id(model): _forget(key))
+        self.token = token
+        self.refused = _refusal(token[1])
+        self.entries = [] if self.refused else [_entry(layer, token) for layer in model.layers]
+        self.tallies = [e.tally for e in self.entries if e.tally is not None]
+        self.stale = False
+        stats.attach(self.tallies)
+
+    def retire(self):
+        stats.detach(self.tallies)
+
+
+def _refusal(applied):
+    """Why no step may take this path (a patch on model code that this one does not run), or None."""
+    patches = registry.available()
+    for name in applied:
+        if name == PATCH.name or name in COMPOSES or name not in patches:
+            continue
+        touched = [t for t in patches[name].targets if t.startswith(("mlx_vlm.models.", "mlx."))]
+        if touched:
+            return f"{name} patches {touched[0].split(':')[-1]}"
+    return None
+
+
+_PLANS = {}  # id(model) -> Plan
+_FUNCTIONS = {}  # (token, kind, signature) -> compiled functions; only the current tokens kept
+_KEEP_TOKENS = 4  # e.g. verify alternating kernels on and off keeps its traces
+
+
+def _plan(model):
+    token = _token()
+    plan = _PLANS.get(id(model))
+    if plan is not None and not plan.stale and plan.token == token and plan.model() is model:
+        return plan
+    if plan is not None:
+        plan.retire()
+    plan = _PLANS[id(model)] = Plan(model, token)
+    tokens = list(dict.fromkeys(key[0] for key in _FUNCTIONS))
+    for old in tokens[:-_KEEP_TOKENS]:
+        for key in [k for k in _FUNCTIONS if k[0] == old]:
+            del _FUNCTIONS[key]
+    return plan
+
+
+def _forget(key):
+    """A model was dropped: so is its plan (its functions stay while another model's plan shares them)."""
+    plan = _PLANS.get(key)
+    if plan is not None and plan.model() is None:
+        del _PLANS[key]
+        plan.retire()
+
+
+def _function(token, kind, sig, make):
+    key = (token, kind, sig)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = make()
+    return fn
+
+
+def _entry(layer, token):
+    """The entry that runs ``layer``: compiled where its kind is covered, else the eager chain."""
+    if type(layer) is not _lang.DecoderLayer:
+        return Eager(layer, "layer type")
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(layer.attn_hc) is not _hc.HyperConnection or type(layer.ffn_hc) is not _hc.HyperConnection:
+        return Eager(layer, "hyper-connection type")
+    if type(mlp) not in (_lang.Glm5NextMoE, _lang.Glm5NextMLP):
+        return Eager(layer, "mlp type")
+    try:
+        sig = _layer.signature(layer)
+    except _layer.Unsupported as exc:
+        return Eager(layer, f"module tree: {exc}")
+    hc_kernels = "hc_decode" in token[1]
+    ffn = "moe" if type(mlp) is _lang.Glm5NextMoE else "mlp"
+    if layer.is_linear and type(attn) is _lang.Glm5NextLinearAttention:
+        kind = f"kda+{ffn}"
+        plain = _function(token, kind, sig, lambda: _layer.kda_function(kind, hc_kernels, masked=False))
+        masked = _function(token, kind + " masked", sig,
+                           lambda: _layer.kda_function(kind + " masked", hc_kernels, masked=True))
+        return Kda(layer, plain, masked)
+    if not layer.is_linear and type(attn) is _lang.Glm5NextAttention:
+        kind = f"{'dsa-shared' if attn.indexer is None else 'dsa'}+{ffn}"
+        front = _function(token, kind + " front", sig, lambda: _layer.dsa_front_function(kind + " front", hc_kernels))
+        back = _function(token, kind + " back", sig, lambda: _layer.dsa_back_function(kind + " back", hc_kernels))
+        rows = _dsa_decode_rows() if "dsa_decode" in token[1] else stock_rows
+        return Dsa(layer, front, back, rows, attn.indexer is None)
+    return Eager(layer, "attention type")
+
+
+def _dsa_decode_rows():
+    from glm53_patches.patches.dsa_decode.decode import select_rows
+
+    return select_rows
+
+
+def stock_rows(latent, topk):
+    """What ``Glm5NextAttention._attend`` gathers for one decode token: ``[B, 1, K, C]`` rows, their validity."""
+    selected_indices = topk[:, 0:1]
+    valid = (selected_indices >= 0) & (selected_indices < latent.shape[2])
+    safe = mx.clip(selected_indices, 0, max(latent.shape[2] - 1, 0))
+    return mx.take_along_axis(latent, safe[:, None, 0, :, None], axis=2), valid
+
+
+# -- the layer entries -------------------------------------------------------------------------
+
+
+def _eager(layer, h, mask, cache, topk, reason):
+    """The layer as stock's loop calls it (through whatever DecoderLayer.__call__ is installed)."""
+    stats.fallback(reason)
+    if layer.block_type == "linear_attention" and cache is not None:
+        mask = _lang.create_ssm_mask(h[:, :, 0], cache)
+    return layer(h, mask, cache, topk)
+
+
+class Eager:
+    __slots__ = ("layer", "reason", "tally")
+
+    def __init__(self, layer, reason):
+        self.layer, self.reason, self.tally = weakref.ref(layer), reason, None
+
+    def run(self, plan, layer, h, mask, cache, topk):
+        return _eager(layer, h, mask, cache, topk, self.reason)
+
+
+class Kda:
+    __slots__ = ("layer", "plain", "masked", "tally")
+
+    def __init__(self, layer, plain, masked):
+        self.layer, self.plain, self.masked = weakref.ref(layer), plain, masked
+        self.tally = Tally("kda layer")
+
+    def run(self, plan, layer, h, mask, cache, topk):
+        if self.layer() is not layer or type(layer) is not _lang.DecoderLayer:
+            plan.stale = True
+            return _eager(layer, h, mask, cache, topk, "layer changed")
+        # What the traced mixer cannot reproduce: stock records speculative
+        # history, gathers ragged windows per row, or makes the state itself.
+        if type(cache) is not ArraysCache or len(cache.cache) != 2:
+            return _eager(layer, h, mask, cache, topk, "kda cache type")
+        if cache.is_speculating:
+            return _eager(layer, h, mask, cache, topk, "speculating")
+        if cache._lengths is not None:
+            return _eager(layer, h, mask, cache, topk, "ragged")
+        window, state = cache.cache
+        if window is None or state is None:
+            return _eager(layer, h, mask, cache, topk, "no state")
+        _layer._CURRENT[0] = layer
+        # create_ssm_mask(h[:, :, 0], cache) is cache.make_mask(1): None without
+        # left padding, else built inside the graph from the padding and the advance.
+        padding = cache._left_padding
+        if padding is None:
+            h, window, state = self.plain(h, window, state, layer)
+        else:
+            advance = _advance(cache._left_padding_advance, padding.dtype)
+            h, window, state = self.masked(h, padding, advance, window, state, layer)
+        # What the stock mixer leaves in a cache without speculation or lengths:
+        # update_window(0, ...), update_recurrent(1, ...), advance(1).
+        cache[0] = window
+        cache[1] = state
+        cache.advance(1)
+        self.tally.hits += 1
+        return h, topk
+
+
+_ADVANCE = [None, None]  # (count, dtype), its array: every KDA cache of a step shares one
+
+
+def _advance(count, dtype):
+    if _ADVANCE[0] != (count, dtype):
+        _ADVANCE[:] = (count, dtype), mx.array(count, dtype=dtype)
+    return _ADVANCE[1]
+
+
+class Dsa:
+    __slots__ = ("layer", "front", "back", "rows", "shared", "tally")
+
+    def __init__(self, layer, front, back, rows, shared):
+        self.layer, self.front, self.back, self.rows, self.shared = weakref.ref(layer), front, back, rows, shared
+        self.tally = Tally("dsa layer")
+
+    def run(self, plan, layer, h, mask, cache, topk):
+        if self.layer() is not layer or type(layer) is not _lang.DecoderLayer:
+            plan.stale = True
+            return _eager(layer, h, mask, cache, topk, "layer changed")
+        if type(cache) is not CacheList or len(cache.caches) != (2 if self.shared else 4):
+            return _eager(layer, h, mask, cache, topk, "dsa cache type")
+        kv_cache = cache.caches[0]
+        if type(kv_cache) not in (KVCache, BatchKVCache):  # quantized latents attend another way
+            return _eager(layer, h, mask, cache, topk, "dsa cache type")
+        if self.shared and topk is None:
+            return _eager(layer, h, mask, cache, topk, "no top-k to share")  # stock raises
+        _layer._CURRENT[0] = layer
+        x, q_resid, query, new_latent, post, comb = self.front(h, layer)
+        # -- Glm5NextAttention.__call__'s growing part, eagerly, as stock runs it --
+        offset = kv_cache.offset
+        latent, _ = kv_cache.update_and_fetch(new_latent, mx.zeros((h.shape[0], 1, 1, 0), dtype=new_latent.dtype))
+        if not self.shared:
+            topk = layer.self_attn.indexer(x, q_resid, mask, cache.caches[1], cache.caches[2], offset)
+        selected, valid = self.rows(latent, topk)
+        h = self.back(query, selected, valid, h, post, comb, layer)
+        self.tally.hits += 1
+        return h, topk
+
+
+# -- the step ----------------------------------------------------------------------------------
+
+
+def decode_step(model, inputs, inputs_embeds=None, cache=None, attention_mask=None, hidden_sink=None):
+    """``Glm5NextTextModel.__call__`` for one token per row; None, having touched nothing, elsewhere."""
+    tokens = inputs if inputs_embeds is None else inputs_embeds
+    if tokens is None or tokens.ndim < 2 or tokens.shape[1] != 1:
+        stats.fallback("length")  # prefill and speculative verify blocks
+        return None
+    if model.training:
+        stats.fallback("training")
+        return None
+    layers = model.layers
+    if cache is None or len(cache) != len(layers) or any(c is None for c in cache):
+        stats.fallback("no cache")
+        return None
+    plan = _plan(model)
+    if plan.refused:
+        stats.fallback(plan.refused)
+        return None
+    # -- Glm5NextTextModel.__call__ --
+    h = model.embed_tokens(inputs) if inputs_embeds is None else inputs_embeds
+    if attention_mask is not None:
+        attention_mask = attention_mask.astype(mx.bool_)
+        if attention_mask.shape[-1] != h.shape[1]:
+            attention_mask = attention_mask[..., -h.shape[1]:]
+    h = mx.repeat(h[:, :, None], model.config.hc_mult, axis=2)
+    topk = None
+    for entry, layer, layer_cache in zip(plan.entries, layers, cache):
+        h, topk = entry.run(plan, layer, h, attention_mask, layer_cache, topk)
+    _layer._CURRENT[0] = None  # keep no layer alive
+    h = model.norm(h.mean(axis=2))
+    if hidden_sink is not None:
+        hidden_sink.append(h)
+    return h
+
+
+def make_call(original):
+    """The replacement for ``Glm5NextTextModel.__call__``."""
+
+    @functools.wraps(original)
+    def __call__(self, inputs, inputs_embeds=None, cache=None, attention_mask=None, hidden_sink=None):
+        h = decode_step(self, inputs, inputs_embeds, cache, attention_mask, hidden_sink)
+        if h is None:
+            return original(self, inputs, inputs_embeds, cache, attention_mask, hidden_sink=hidden_sink)
+        return h
+
+    return __call__
+
+
+# -- status ------------------------------------------------------------------------------------
+
+
+def report():
+    """One line for `status`: the layer kinds compiled, the traces, what composes."""
+    kinds = Counter()
+    for plan in list(_PLANS.values()):
+        for entry in plan.entries:
+            kinds[_kind_label(entry)] += 1
+    traces = list(_layer.TRACES)
+    seconds = sum(t[2] for t in traces)
+    applied = [n for n in registry.applied() if n in COMPOSES]
+    parts = []
+    if kinds:
+        parts.append("layers: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))
+    retraces = sum(t[3] for t in traces)
+    parts.append(f"{len(traces) - retraces} traces + {retraces} retraces (new shapes), {seconds:.2f} s of Python tracing"
+                 + (f", batch sizes {sorted({t[1][0][0][0] for t in traces})}" if traces else ""))
+    if applied:
+        parts.append("runs " + ", ".join(f"{n} ({COMPOSES[n]})" for n in applied))
+    return "; ".join(parts)
+
+
+def _kind_label(entry):
+    if isinstance(entry, Eager):
+        return f"eager ({entry.reason})"
+    if isinstance(entry, Kda):
+        return "kda"
+    return "dsa-shared" if entry.shared else "dsa"
+
+
+def clear():
+    """Drop every plan, compiled function and trace record."""
+    for plan in list(_PLANS.values()):
+        plan.retire()
+    _PLANS.clear()
+    _FUNCTIONS.clear()
+    _ADVANCE[:] = None, None
+    _layer.clear()
