@@ -377,7 +377,8 @@ def test_steps_aside_for_a_patch_it_does_not_know(fp32_model, monkeypatch):
 
         return wrapper
 
-    probe = Patch(name="probe", summary="counts calls", targets={f"{GLM5_NEXT}:MoEGate.__call__": factory})
+    probe = Patch(name="probe", summary="counts calls", targets={f"{GLM5_NEXT}:MoEGate.__call__": factory},
+                  fingerprints_file=str(registry.available()["router_select"].fingerprints_path()))  # verifies MoEGate
     registry.register_plugin(_Plugin(probe))
     language_model = fp32_model.language_model
     try:
@@ -460,7 +461,8 @@ def test_status_reports_kinds_and_traces(fp32_model):
 
 def test_verify_reports_exact_on_this_backend():
     result = layer_decode.PATCH.verify()
-    assert set(result) == {"exact", "max_abs_diff", "cases", "detail"}
+    assert set(result) == {"exact", "max_abs_diff", "cases", "detail", "case_results"}
+    assert len(result["case_results"]) == result["cases"]
     assert result["exact"] is True, result["detail"]
     assert result["cases"] >= 8 and result["max_abs_diff"] == 0.0
     assert registry.applied() == []  # verify leaves the process as it found it

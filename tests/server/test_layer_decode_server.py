@@ -54,6 +54,7 @@ def test_served_answers_equal_stock_and_its_layers_served_them(server_factory, t
         assert entry["state"] == "applied", (env, entry)
         hits, fallbacks = entry["stats"]["hits"], entry["stats"]["fallbacks"]
         # Every decode step ran every layer through the compiled path; only prefills stepped aside.
+        assert "kda layer" in hits, (env, entry["stats"], entry["reason"])
         steps = hits["kda layer"] // KDA_LAYERS
         assert steps >= 4 * 16 and hits == {**hits, "kda layer": steps * KDA_LAYERS, "dsa layer": steps * DSA_LAYERS}
         assert set(fallbacks) == {"length"}, fallbacks

@@ -601,7 +601,7 @@ def _staged_test_names(described):
     """The test functions of the staged test files (read from their source, not from a run)."""
     names = set()
     for source_file in described.tests:
-        tree = ast.parse((described.folder / source_file).read_text())
+        tree = ast.parse((described.folder / "checks" / source_file).read_text())
         names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
     return names
 

@@ -62,6 +62,9 @@ COMPOSES = {
     "gathered_prefill": "prefill",
     "latent_prefill": "prefill",
 }
+# Model code a decode step never calls: a patch on it alone (vault_cache's load-time
+# weights fingerprint) leaves the step as it is.
+OFF_THE_STEP = (":LanguageModel.sanitize", ":Model.sanitize")
 # The patches whose kernel switch is read inside the traces: (module, what answers for a backend).
 _SWITCHES = {
     "hc_decode": ("glm53_patches.patches.hc_decode.layer", lambda m: m.kernel_wanted),
@@ -139,7 +142,8 @@ def _refusal(applied):
     for name in applied:
         if name == PATCH.name or name in COMPOSES or name not in patches:
             continue
-        touched = [t for t in patches[name].targets if t.startswith(("mlx_vlm.models.", "mlx."))]
+        touched = [t for t in patches[name].targets
+                   if t.startswith(("mlx_vlm.models.", "mlx.")) and not t.endswith(OFF_THE_STEP)]
         if touched:
             return f"{name} patches {touched[0].split(':')[-1]}"
     return None
