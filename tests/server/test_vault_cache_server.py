@@ -168,7 +168,9 @@ def test_weights_replaced_after_loading_keep_that_server_off_the_vault(server_fa
         for prompt in PROMPTS:  # twice in a row: APC's memory tier keeps only a few entries
             first.append(loaded_a.chat(prompt, max_tokens=TOKENS))
             again.append(loaded_a.chat(prompt, max_tokens=TOKENS))
-        stats_a = status(tmp_path, loaded_a, lambda s: s["fallbacks"].get("skipped:memory-only", 0) >= len(PROMPTS))
+        # Counters are published in batches: wait for the last request's as well.
+        stats_a = status(tmp_path, loaded_a, lambda s: s["fallbacks"].get("skipped:memory-only", 0) >= len(PROMPTS)
+                         and s["hits"].get("memory", 0) >= len(PROMPTS))
         detail = json.loads((tmp_path / "state" / f"{loaded_a.process.pid}.json").read_text())[
             "patches"][NAME]["detail"]
         log_a = loaded_a.log()

@@ -453,6 +453,8 @@ def test_the_staged_interpreter_cannot_import_glm53_patches(tmp_path):
 
 @pytest.mark.parametrize("name,pin", CASES)
 def test_stage_applies_passes_and_matches_the_plugin(name, pin, releases, models, tmp_path):
+    """On every pin the diff applies without fuzz and its tests pass in an interpreter that cannot
+    import the plugin; on the newest, the staged tree also decodes as the plugin does."""
     patch, described = DESCRIBED[name]
     tree = releases[pin]
     result = stage.stage(patch, tree, tmp_path / "out", run=False, pin=pin)
@@ -480,6 +482,8 @@ def test_stage_applies_passes_and_matches_the_plugin(name, pin, releases, models
     assert Path(tests["mlx_vlm_file"]).resolve().is_relative_to(repo.resolve())
     if described.switch:
         assert tests["enabled_at_import"] is False  # default off
+    if pin != PINS[0]:
+        return  # an upstream PR targets the newest release: the logits runs are made there only (CI time)
 
     plugin = checks.plugin_logits(tree, models, name, described.package, tmp_path / "plugin",
                                   described.equivalence, stage.plugin_fast_path(described))
