@@ -1,4 +1,14 @@
-"""Shared fixtures: an isolated state folder, a clean journal, tiny checkpoints."""
+"""Shared fixtures: an isolated state folder, a clean journal, tiny checkpoints, and the stock
+`python -m mlx_vlm.server` as a real subprocess spoken to over HTTP (tests/server, tests/install)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
 
 import pytest
 
@@ -42,3 +52,96 @@ def tiny_q4_dir(tmp_path_factory):
     from glm53_patches.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-q4"), quantize_bits=4)
+
+
+# -- the real server ----------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, process, port, log_path, model_dir, state_dir=None):
+        self.process, self.port, self.log_path, self.model = process, port, log_path, str(model_dir)
+        self.state_dir = state_dir
+
+    def published(self, serving=(), timeout=10):
+        """The status this server publishes, once every patch in ``serving`` has counted hits in it."""
+        path = self.state_dir / f"{self.process.pid}.json"
+        deadline = time.time() + timeout
+        while True:
+            report = json.loads(path.read_text())
+            if all(report["patches"][n]["stats"]["hits"] for n in serving) or time.time() > deadline:
+                return report
+            time.sleep(0.5)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self):
+        return self.log_path.read_text(errors="replace")
+
+    def chat(self, content, max_tokens=24, stream=False):
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+        request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            if not stream:
+                reply = json.loads(response.read())
+                return reply["choices"][0]["message"]["content"], reply
+            text = []
+            for raw in response:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    delta = json.loads(line[5:])["choices"][0].get("delta", {})
+                    text.append(delta.get("content") or "")
+            return "".join(text), None
+
+
+@contextmanager
+def stock_server(model_dir, tmp_path, env_extra=None, args=()):
+    """The unmodified mlx-vlm server module, with only the environment changed."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLM53_", "APC_"))}
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(env_extra or {})
+    state_dir = tmp_path / "state"
+    if env_extra:  # any GLM53_* variable wakes the bootstrap; keep its files in tmp
+        env["GLM53_PATCHES_STATE_DIR"] = str(state_dir)
+    log_path = tmp_path / f"server-{port}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, *args, "-m", "mlx_vlm.server", "--model", str(model_dir),
+             "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(process, port, log_path, model_dir, state_dir)
+    try:
+        deadline = time.time() + 240
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{server.url}/v1/models", timeout=5):
+                    break
+            except OSError:
+                if time.time() > deadline:
+                    raise TimeoutError(server.log()[-3000:])
+                time.sleep(0.5)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    return lambda model_dir, env=None, args=(): stock_server(model_dir, tmp_path, env, args)
