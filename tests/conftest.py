@@ -68,15 +68,23 @@ class Server:
         self.process, self.port, self.log_path, self.model = process, port, log_path, str(model_dir)
         self.state_dir = state_dir
 
-    def published(self, serving=(), timeout=10):
-        """The status this server publishes, once every patch in ``serving`` has counted hits in it."""
+    def published(self, serving=(), until=None, timeout=10):
+        """The status this server publishes, once every patch in ``serving`` has counted hits in it and
+        ``until(report)`` holds; at the timeout, the last one read."""
         path = self.state_dir / f"{self.process.pid}.json"
         deadline = time.time() + timeout
+        report = None
         while True:
-            report = json.loads(path.read_text())
-            if all(report["patches"][n]["stats"]["hits"] for n in serving) or time.time() > deadline:
+            try:
+                report = json.loads(path.read_text())
+                done = all(report["patches"][n]["stats"]["hits"] for n in serving) and (until is None or until(report))
+            except (OSError, ValueError, KeyError):  # not published yet, or not this patch yet
+                done = False
+            if done or time.time() > deadline:
+                if report is None:
+                    raise AssertionError(f"no status published at {path}")
                 return report
-            time.sleep(0.5)
+            time.sleep(0.25)
 
     @property
     def url(self):

@@ -1,6 +1,5 @@
 """layer_decode through the stock mlx_vlm.server: the same answers as stock, served by its compiled layers."""
 
-import json
 import subprocess
 import sys
 import time
@@ -23,18 +22,17 @@ def _answers(server):
     return plain, streamed, concurrent
 
 
-def _published(state_dir, pid, timeout=10):
-    """This server's status file, once the counters of all its requests are in it."""
-    path = state_dir / f"{pid}.json"
-    deadline = time.time() + timeout
-    last = None
-    while True:
-        report = json.loads(path.read_text())
-        hits = report["patches"][NAME]["stats"]["hits"]
-        if (hits == last and hits) or time.time() > deadline:  # unchanged over a flush period
-            return report
-        last = hits
-        time.sleep(1.5)
+def _settled(name, period=1.5):
+    """``published``'s condition: ``name``'s hits unchanged over a flush period (all requests' counters in)."""
+    seen = {}
+
+    def until(report):
+        hits = report["patches"][name]["stats"]["hits"]
+        if hits != seen.get("hits"):
+            seen.update(hits=hits, since=time.time())
+        return bool(hits) and time.time() - seen["since"] >= period
+
+    return until
 
 
 def test_served_answers_equal_stock_and_its_layers_served_them(server_factory, tiny_q4_dir, tmp_path):
@@ -45,7 +43,7 @@ def test_served_answers_equal_stock_and_its_layers_served_them(server_factory, t
     for env in ({"GLM53_PATCHES": NAME}, {"GLM53_PATCHES": "all"}):
         with server_factory(tiny_q4_dir, env=env) as patched:
             answers = _answers(patched)
-            report = _published(tmp_path / "state", patched.process.pid)
+            report = patched.published(until=_settled(NAME))
             status = subprocess.run([sys.executable, "-m", "glm53_patches.cli", "status"], capture_output=True,
                                     text=True, env={"GLM53_PATCHES_STATE_DIR": str(tmp_path / "state"), "PATH": ""})
             served = status.stdout.split(f"process {patched.process.pid}:")[1].split("\nprocess ")[0]

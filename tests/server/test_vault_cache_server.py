@@ -41,20 +41,10 @@ def prompt_tokens(reply):
     return reply["usage"]["prompt_tokens"]
 
 
-def status(tmp_path, server, until=lambda stats: True, wait_s=30):
+def status(server, until=lambda stats: True, wait_s=30):
     """The vault's published counters for one server process (waits for `until`)."""
-    path = tmp_path / "state" / f"{server.process.pid}.json"
-    deadline = time.time() + wait_s
-    while True:
-        try:
-            stats = json.loads(path.read_text())["patches"][NAME]["stats"]
-        except (OSError, ValueError, KeyError):
-            stats = None
-        if stats is not None and (until(stats) or time.time() > deadline):
-            return stats
-        if time.time() > deadline:
-            raise AssertionError(f"no status published at {path}")
-        time.sleep(0.25)
+    report = server.published(until=lambda r: until(r["patches"][NAME]["stats"]), timeout=wait_s)
+    return report["patches"][NAME]["stats"]
 
 
 def namespace(vault):
@@ -88,10 +78,10 @@ def test_warm_and_restarted_answers_are_the_cold_answers(server_factory, tiny_q4
     with server_factory(tiny_q4_dir, env=vault_env(vault)) as first:
         cold = [first.chat(p, max_tokens=TOKENS) for p in PROMPTS]
         warm = [first.chat(p, max_tokens=TOKENS) for p in PROMPTS]
-        stats_first = status(tmp_path, first, lambda s: s["hits"].get("write", 0) >= len(PROMPTS))
+        stats_first = status(first, lambda s: s["hits"].get("write", 0) >= len(PROMPTS))
     with server_factory(tiny_q4_dir, env=vault_env(vault)) as second:
         restarted = [second.chat(p, max_tokens=TOKENS) for p in PROMPTS]
-        stats_second = status(tmp_path, second, lambda s: s["hits"].get("disk", 0) >= len(PROMPTS))
+        stats_second = status(second, lambda s: s["hits"].get("disk", 0) >= len(PROMPTS))
         log = second.log()
         cli = subprocess.run([sys.executable, "-m", "glm53_patches.cli", "status", "--json"], capture_output=True,
                              text=True, env={**os.environ, "GLM53_PATCHES_STATE_DIR": str(tmp_path / "state")})
@@ -131,7 +121,7 @@ def test_weights_replaced_in_place_are_never_served_stale(server_factory, tmp_pa
     with server_factory(model, env=vault_env(vault)) as before:
         old_text, _ = before.chat(PROMPTS[0], max_tokens=TOKENS)
         _, old_warm = before.chat(PROMPTS[0], max_tokens=TOKENS)
-        status(tmp_path, before, lambda s: s["hits"].get("write", 0) >= 1)
+        status(before, lambda s: s["hits"].get("write", 0) >= 1)
     assert cached(old_warm) > 0
 
     weights = model / "model.safetensors"
@@ -143,7 +133,7 @@ def test_weights_replaced_in_place_are_never_served_stale(server_factory, tmp_pa
     with server_factory(model, env=vault_env(vault)) as after:
         new_text, new_cold = after.chat(PROMPTS[0], max_tokens=TOKENS)
         again_text, new_warm = after.chat(PROMPTS[0], max_tokens=TOKENS)
-        stats = status(tmp_path, after, lambda s: s["hits"].get("memory", 0) + s["hits"].get("disk", 0) >= 1)
+        stats = status(after, lambda s: s["hits"].get("memory", 0) + s["hits"].get("disk", 0) >= 1)
     with server_factory(replacement) as reference:  # the new weights, no cache at all
         reference_text, _ = reference.chat(PROMPTS[0], max_tokens=TOKENS)
 
@@ -169,14 +159,14 @@ def test_weights_replaced_after_loading_keep_that_server_off_the_vault(server_fa
             first.append(loaded_a.chat(prompt, max_tokens=TOKENS))
             again.append(loaded_a.chat(prompt, max_tokens=TOKENS))
         # Counters are published in batches: wait for the last request's as well.
-        stats_a = status(tmp_path, loaded_a, lambda s: s["fallbacks"].get("skipped:memory-only", 0) >= len(PROMPTS)
+        stats_a = status(loaded_a, lambda s: s["fallbacks"].get("skipped:memory-only", 0) >= len(PROMPTS)
                          and s["hits"].get("memory", 0) >= len(PROMPTS))
         detail = json.loads((tmp_path / "state" / f"{loaded_a.process.pid}.json").read_text())[
             "patches"][NAME]["detail"]
         log_a = loaded_a.log()
     with server_factory(model, env=vault_env(vault)) as loaded_b:  # B, from the same directory
         on_b = [loaded_b.chat(p, max_tokens=TOKENS) for p in PROMPTS]
-        stats_b = status(tmp_path, loaded_b, lambda s: s["hits"].get("write", 0) >= len(PROMPTS))
+        stats_b = status(loaded_b, lambda s: s["hits"].get("write", 0) >= len(PROMPTS))
     with server_factory(replacement) as stock_b:  # B, no cache at all
         reference = [stock_b.chat(p, max_tokens=TOKENS)[0] for p in PROMPTS]
 
@@ -205,7 +195,7 @@ def test_corrupted_truncated_swapped_and_foreign_entries_are_refused(server_fact
                "What is the capital of France? Paris is the capital of France."]
     with server_factory(tiny_q4_dir, env=vault_env(vault)) as first:
         cold = [first.chat(p, max_tokens=TOKENS) for p in prompts]
-        status(tmp_path, first, lambda s: s["hits"].get("write", 0) >= len(prompts))
+        status(first, lambda s: s["hits"].get("write", 0) >= len(prompts))
     by_length = {}
     for path in entries(vault):
         by_length.setdefault(len(read_header(path)[0]["__metadata__"]["token_ids"].split(",")), []).append(path)
@@ -229,7 +219,7 @@ def test_corrupted_truncated_swapped_and_foreign_entries_are_refused(server_fact
     with server_factory(tiny_q4_dir, env=vault_env(vault)) as second:
         after = [second.chat(p, max_tokens=TOKENS) for p in prompts]
         again = [second.chat(p, max_tokens=TOKENS) for p in prompts]
-        stats = status(tmp_path, second, lambda s: s["hits"].get("write", 0) >= len(prompts))
+        stats = status(second, lambda s: s["hits"].get("write", 0) >= len(prompts))
         log = second.log()
 
     for (cold_text, _), (text, reply), (warm_text, warm) in zip(cold, after, again):
@@ -290,7 +280,7 @@ def test_kill_9_during_a_write_leaves_no_entry_that_is_served(server_factory, ti
     with server_factory(tiny_q4_dir, env=vault_env(vault)) as restarted:
         text, reply = restarted.chat(PROMPTS[0], max_tokens=TOKENS)
         warm_text, warm = restarted.chat(PROMPTS[0], max_tokens=TOKENS)
-        stats = status(tmp_path, restarted, lambda s: s["hits"].get("write", 0) >= 1)
+        stats = status(restarted, lambda s: s["hits"].get("write", 0) >= 1)
         log = restarted.log()
     assert text == cold_text and cached(reply) == 0
     assert warm_text == cold_text and cached(warm) > 0
@@ -325,7 +315,7 @@ def test_two_servers_on_one_vault_answer_every_request_like_a_solo_request(serve
         _wait_for_entry(vault, prompt_tokens(a_reply) - 1)  # APC writes in the background
         b_text, b_reply = b.chat(only_a, max_tokens=TOKENS)
         # Counters are published by a background flusher: wait for b's disk hit to appear.
-        stats = [status(tmp_path, a), status(tmp_path, b, lambda s: s["hits"].get("disk", 0) >= 1)]
+        stats = [status(a), status(b, lambda s: s["hits"].get("disk", 0) >= 1)]
 
     for prompt, (text, _) in answers:
         assert text == solo[prompt], prompt
