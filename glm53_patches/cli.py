@@ -219,6 +219,10 @@ def cmd_tiny_model(args):
 
     path = write_tiny_model(args.dir, quantize_bits=args.quantize_bits, seed=args.seed)
     print(path)
+    if args.drafter:
+        from .tiny_drafter import write_tiny_drafter
+
+        print(write_tiny_drafter(path, args.drafter, seed=args.seed))
     return 0
 
 
@@ -284,6 +288,8 @@ def main(argv=None):
     tiny.add_argument("dir")
     tiny.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--drafter", metavar="DRAFT_DIR",
+                      help="also write a matching MTP drafter (--draft-model DRAFT_DIR --draft-kind mtp)")
     tiny.set_defaults(run=cmd_tiny_model)
     manifest = commands.add_parser("manifest", help="regenerate entry_points.toml and README's settings table from the declarations")
     manifest.add_argument("--write", action="store_true", help="write them (default: say which are stale)")
