@@ -189,16 +189,16 @@ def _set_lengths(layer, cache):
     cache.lengths = mx.array([7])
 
 
-def _speculate(layer, cache):
+def _speculate_short(layer, cache):
     _prefill(layer, cache)
-    cache.start_speculation(1)
+    cache.start_speculation(2)  # a history of 2 tokens, then a 3-token block
 
 
 ASIDE = {
     # reason: (prepare the cache, input length, mask)
-    "length": (_prefill, 3, None),  # prefill / verify blocks
+    "length": (_prefill, 3, None),  # a prefill chunk (not speculating)
     "no state": (lambda layer, cache: None, 1, None),
-    "speculating": (_speculate, 1, None),
+    "history capacity": (_speculate_short, 3, None),
     "ragged": (_set_lengths, 1, None),
     "mask": (_prefill, 1, mx.ones((1, 1), dtype=mx.float32)),  # not the bool (B, 1) form
 }
@@ -212,16 +212,72 @@ def test_steps_aside_with_stock_results(patched, reason):
     for cache in caches:
         prepare(layer, cache)
     x = mx.random.normal((1, length, HIDDEN), key=mx.random.key(8))
+    if reason == "history capacity":  # stock refuses the block; so does the patched layer, through stock
+        for cache in caches:
+            with pytest.raises(ValueError, match="history capacity"):
+                layer(x, mask, cache)
+        assert counts() == ({}, {reason: 2})
+        return
     ref = STOCK(layer, x, mask, caches[0])
     got = layer(x, mask, caches[1])
     assert_bitwise(ref, got, "output")
     for i in range(2):
         assert_bitwise(caches[0][i], caches[1][i], f"cache[{i}]")
-    if reason == "speculating":  # the history stock recorded is there to commit
-        for cache in caches:
-            cache.commit_speculation([1])
-        assert_bitwise(caches[0][1], caches[1][1], "committed state")
     assert counts() == ({}, {reason: 1})
+
+
+# -- speculative verify blocks -----------------------------------------------------
+
+
+def records(cache):
+    """The arrays a speculating cache holds for rollback, in a fixed order (stock's own structure)."""
+    found = []
+    for index, record in sorted(cache._speculation["records"].items()):
+        found += [(f"record {index} {record[0]} {i}", v) for i, v in enumerate(record[1:]) if isinstance(v, mx.array)]
+    return found
+
+
+def verify_round(layer, caches, dtype, length, keep):
+    """One verify block of ``length`` tokens on both caches, then both keep ``keep`` of them per row
+    (None: the block is aborted, as when a request is cancelled mid-round)."""
+    batch = caches[0][0].shape[0]
+    x = mx.random.normal((batch, length, HIDDEN)).astype(dtype)
+    for cache in caches:
+        cache.start_speculation(length)
+    ref = STOCK(layer, x, caches[0].make_mask(length), caches[0])
+    got = layer(x, caches[1].make_mask(length), caches[1])
+    assert_bitwise(ref, got, f"verify output, L={length}")
+    recorded = [records(cache) for cache in caches]
+    assert [n for n, _ in recorded[0]] == [n for n, _ in recorded[1]] and len(recorded[0]) >= 2
+    for (name, a), (_, b) in zip(*recorded):
+        assert_bitwise(a, b, f"{name}, L={length}")
+    for cache in caches:
+        cache.abort_speculation() if keep is None else cache.commit_speculation(keep)
+    assert_bitwise(caches[0][0], caches[1][0], f"conv window after L={length}, keep {keep}")
+    assert_bitwise(caches[0][1], caches[1][1], f"recurrent state after L={length}, keep {keep}")
+    if caches[0].left_padding is not None:
+        assert caches[0].left_padding.tolist() == caches[1].left_padding.tolist()
+
+
+@pytest.mark.parametrize("batch_name", BATCHES)
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_verify_blocks_are_bitwise_stock(patched, dtype_name, batch_name):
+    """Blocks of 1 to 8 tokens, each kept in part (per row in a batch), whole, not at all, or aborted,
+    with plain decode steps between: outputs, recorded history and caches after rollback match stock."""
+    dtype, quantize_bits = DTYPES[dtype_name]
+    batch, left_padding = BATCHES[batch_name]
+    layer = make_layer(dtype, quantize_bits)
+    caches = prefilled_pair(layer, batch, left_padding, dtype)
+    rng = np.random.default_rng(0)
+    lengths = [2, 3, 4, 5, 6, 7, 8, 1, 3, 2, 8, 4]
+    for i, length in enumerate(lengths):
+        keep = [int(k) for k in rng.integers(0, length + 1, batch)]  # ragged acceptance in a batch
+        keep = {3: None, 5: [0] * batch, 6: [length] * batch}.get(i, keep)
+        verify_round(layer, caches, dtype, length, keep)
+        decode_and_compare(layer, caches, dtype, steps=1)
+    hits, fallbacks = counts()
+    assert hits["verify"] == len(lengths) and hits["call"] == len(lengths), hits
+    assert fallbacks == {}
 
 
 def test_steps_aside_in_training_and_without_cache(patched):
@@ -343,17 +399,17 @@ def test_verify_counts_cases_where_stock_differs_from_itself_as_inconclusive(mon
 
     real = check.check_case
 
-    def flaky(stock, fast, dtype, bits, padding, seed):
+    def flaky(stock, fast, dtype, bits, padding, seed, blocks):
         if bits == 4 and padding:
             return {"worst": 0.5, "control": "stock run twice differs in output at step 0", "patch": "output at step 0"}
-        return real(stock, fast, dtype, bits, padding, seed)
+        return real(stock, fast, dtype, bits, padding, seed, blocks=blocks)
 
     monkeypatch.setattr(check, "check_case", flaky)
     result = check.verify()
     assert result["exact"] and result["max_abs_diff"] == 0.0
-    assert "2 case(s) inconclusive" in result["detail"]
+    assert "4 case(s) inconclusive" in result["detail"]  # 4-bit batch 3 at decode and in verify blocks
     monkeypatch.setattr(check, "check_case", lambda *a, **k: {"worst": 0.0, "control": "differs"})
     assert not check.verify()["exact"]  # nothing comparable: not exact
     monkeypatch.setattr(check, "check_case", lambda *a, **k: {"worst": 0.25, "patch": "state at step 3"})
     result = check.verify()
-    assert not result["exact"] and result["max_abs_diff"] == 0.25 and "8 case(s) differ" in result["detail"]
+    assert not result["exact"] and result["max_abs_diff"] == 0.25 and "16 case(s) differ" in result["detail"]

@@ -49,6 +49,35 @@ def test_on_the_cpu_the_call_goes_below_bit_for_bit(quantize_bits, below):
     assert compiled_hits == (kda_layers(language_model) * STEPS if below else 0)  # decode steps only
 
 
+@pytest.mark.parametrize("length", [1, 3])
+def test_speculative_blocks_go_below_where_the_kernel_runs(monkeypatch, length):
+    """Where the kernel runs (a GPU backend, here pretended: reaching the kernel on the CPU fails),
+    speculative blocks still go below it, since the kernel records no history for rollback;
+    compiled_kda_decode below records it, bit for bit as stock."""
+    from test_compiled_kda_decode import STOCK, assert_bitwise, make_layer, prefilled_pair
+
+    from mlx_vlm.models.glm5_next.language import Glm5NextLinearAttention
+
+    glm53_patches.enable(["compiled_kda_decode", "fused_kda_kernel"], strict=True)
+    from glm53_patches.patches.fused_kda_kernel import step
+
+    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(step.switch, "wanted", lambda backend: True)
+    layer = make_layer()
+    caches = prefilled_pair(layer, 1, None, mx.float32)
+    x = mx.random.normal((1, length, 128))
+    for cache in caches:
+        cache.start_speculation(length)
+    before = fused_kda_kernel.PATCH.stats.snapshot()["fallbacks"]
+    assert_bitwise(STOCK(layer, x, None, caches[0]), Glm5NextLinearAttention.__call__(layer, x, None, caches[1]),
+                   "output")
+    for cache in caches:
+        cache.commit_speculation([length - 1])
+    assert_bitwise(caches[0][1], caches[1][1], "state after the commit")
+    reason = "speculating" if length == 1 else "length"
+    assert fused_kda_kernel.PATCH.stats.snapshot()["fallbacks"].get(reason, 0) == before.get(reason, 0) + 1
+
+
 def test_revert_restores_the_original_object():
     from mlx_vlm.models.glm5_next.language import Glm5NextLinearAttention
 

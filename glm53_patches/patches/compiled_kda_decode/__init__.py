@@ -14,8 +14,9 @@ _GATED = "mlx_vlm.models.gated_delta"
 PATCH = Patch(
     name="compiled_kda_decode",
     summary=(
-        "Single-token decode of Glm5NextLinearAttention (KDA) runs as one "
-        "mx.compile'd graph (projections, short conv, norms, safe gate, "
+        "Single-token decode and speculative verify blocks (1-8 tokens, "
+        "history recorded for rollback) of Glm5NextLinearAttention (KDA) run "
+        "as one mx.compile'd graph (projections, short conv, norms, safe gate, "
         "delta-rule step, gated output norm); bit-identical to stock."
     ),
     targets={f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__": lazy(f"{__name__}.step", "make_call")},
@@ -25,6 +26,11 @@ PATCH = Patch(
         f"{GLM5_NEXT}:ShortConv1d.__call__",
         f"{GLM5_NEXT}:Glm5NextTextModel.__call__",
         "mlx_vlm.models.linear:linear",
+        # 1 < L <= 8 (verify blocks): linear's decode-equivalent per-position form
+        "mlx_vlm.models.linear:native_batch_linear",
+        "mlx_vlm.models.linear:tokenwise",
+        "mlx_vlm.models.quantized_verifier:exact_quantized_linear",
+        "mlx_vlm.models.quantized_verifier:singleton_quantized_linear",
         f"{_GATED}:gated_delta_update",
         f"{_GATED}:compute_g_safe",
         f"{_GATED}:compute_g",
@@ -36,6 +42,9 @@ PATCH = Patch(
         f"{_CACHE}.advance",
         f"{_CACHE}.make_mask",
         f"{_CACHE}.is_speculating",
+        f"{_CACHE}.history_capacity",
+        f"{_CACHE}.record_speculative_states",
+        f"{_CACHE}.record_speculative_window",
         f"{_CACHE}.lengths",
         f"{_CACHE}.__setitem__",
     ),

@@ -1,4 +1,4 @@
-"""One compiled graph for a KDA (Glm5NextLinearAttention) single-token decode step.
+"""One compiled graph for a KDA (Glm5NextLinearAttention) decode step or verify block.
 
 Stock decode builds ~90 small lazy ops per KDA layer and token. Here the whole
 mixer is one ``mx.compile``d pure function
@@ -11,6 +11,15 @@ Weights and the Python-float scales are *inputs*, never captured constants:
 one trace serves every layer with the same configuration and shapes, a weight
 update is seen without retracing, and no scale is printed into kernel source.
 The cache is then updated exactly as stock leaves it.
+
+A speculative verify block (the cache is speculating, ``L`` = 1 to 8 tokens:
+the last accepted token and the drafts) runs the same graph with stock's
+``state_steps = L - 1``, so it also returns the conv input and the ``L - 1``
+intermediate recurrent states. They are handed to the cache's own
+``update_window`` and ``update_recurrent``, which record them for rollback as
+they do for stock. At ``1 < L <= 8`` stock's ``linear`` takes its
+decode-equivalent per-position form; the graph calls the same ``linear``, so it
+takes that form too.
 """
 
 import copy
@@ -22,6 +31,7 @@ import mlx.nn as nn
 
 from mlx_vlm.models.cache import ArraysCache
 from mlx_vlm.models.glm5_next import language as _lang
+from mlx_vlm.models.linear import DECODE_BLOCK_SIZE
 
 from . import PATCH
 
@@ -104,8 +114,13 @@ def bind(skeleton, params):
     return clone
 
 
-def _build(attn, leaves, has_mask):
-    """mx.compile the mixer for one layer configuration (it traces on first call)."""
+def _build(attn, leaves, has_mask, record, state_steps):
+    """mx.compile the mixer for one layer configuration (it traces on first call).
+
+    With ``record`` (a verify block) the graph returns what the speculating
+    cache records, the conv input and, for ``state_steps``, the intermediate
+    states, instead of the new window.
+    """
     skeletons = tuple(skeleton(m) for m in leaves)
     num_heads, head_dim = attn.num_heads, attn.head_dim
     keep = attn.qkv_conv.kernel_size - 1
@@ -115,7 +130,7 @@ def _build(attn, leaves, has_mask):
     def mixer(x, window, state, params, A_log, dt_bias, scales, mask=None):
         stats.hit("trace")  # Python runs only while mx.compile traces
         qkv_proj, conv, fbg_a_proj, f_b_proj, g_b_proj, o_norm, o_proj = map(bind, skeletons, params)
-        # -- Glm5NextLinearAttention.__call__ (L == 1, not training) --
+        # -- Glm5NextLinearAttention.__call__ (L <= 8, not training) --
         batch, length, _ = x.shape
         if mask is not None:  # bool, checked by the caller
             x = mx.where(mask[..., None], x, 0)
@@ -125,7 +140,7 @@ def _build(attn, leaves, has_mask):
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([window, qkv], axis=1)
         qkv = nn.silu(conv(conv_input))
-        new_window = mx.contiguous(conv_input[:, 1 : 1 + keep])  # = update_window(0, ...)
+        new_window = mx.contiguous(conv_input[:, length : length + keep])  # = update_window(0, ...)
         # -- back in Glm5NextLinearAttention.__call__ --
         shape = (batch, length, num_heads, head_dim)
         q, k, v = (value.reshape(shape) for value in mx.split(qkv, 3, axis=-1))
@@ -145,7 +160,7 @@ def _build(attn, leaves, has_mask):
         b = b.reshape(batch, length, num_heads)
         # What ArraysCache.update_recurrent(1, ...) runs, with the state passed in.
         # Same function as stock, so the kernel/ops choice matches on every backend.
-        output, new_state = gated_delta_update(
+        result = gated_delta_update(
             q,
             k,
             v,
@@ -157,11 +172,15 @@ def _build(attn, leaves, has_mask):
             mask=mask,
             use_kernel=True,  # = not self.training
             lower_bound=lower_bound,
-            state_steps=None,
+            state_steps=state_steps,
         )
+        output, new_state = result[:2]
         gate = linear(g_b_proj, g_a).reshape(shape)
         output = (o_norm(output) * mx.sigmoid(gate)).reshape(batch, length, -1)
-        return linear(o_proj, output), new_window, new_state
+        output = linear(o_proj, output)
+        if record:  # (output, conv input, final state[, intermediate states])
+            return (output, conv_input, new_state, *result[2:])
+        return output, new_window, new_state
 
     if has_mask:
         return mx.compile(mixer)
@@ -175,8 +194,10 @@ def _scales(scale):
 
 def why_not(attn, x, mask, cache):
     """The reason to run stock code, or None when the fast path applies."""
-    if x.ndim != 3 or x.shape[1] != 1:
+    if x.ndim != 3 or not 1 <= x.shape[1] <= DECODE_BLOCK_SIZE:
         return "length"
+    if x.shape[1] > 1 and not (cache is not None and cache.is_speculating):
+        return "length"  # a prefill chunk: not a decode step or verify block
     if attn.training:
         return "training"
     if cache is None:
@@ -186,12 +207,12 @@ def why_not(attn, x, mask, cache):
     window, state = cache.cache
     if window is None or state is None:
         return "no state"
-    if cache.is_speculating:  # stock records per-token history for rollback
-        return "speculating"
+    if cache.is_speculating and cache.history_capacity < x.shape[1]:
+        return "history capacity"  # stock raises its own error
     if cache.lengths is not None:  # ragged rows: update_window gathers per row
         return "ragged"
     batch = x.shape[0]
-    if mask is not None and (mask.dtype != mx.bool_ or mask.shape != (batch, 1)):
+    if mask is not None and (mask.dtype != mx.bool_ or mask.shape != x.shape[:2]):
         return "mask"
     if x.dtype not in _FLOATS or window.dtype not in _FLOATS or state.dtype not in _FLOATS:
         return "dtype"
@@ -204,7 +225,7 @@ def why_not(attn, x, mask, cache):
 
 
 def decode_step(attn, x, mask=None, cache=None):
-    """``attn(x, mask, cache)`` for one decode token as one compiled call.
+    """``attn(x, mask, cache)`` for a decode token or a verify block, as one compiled call.
 
     Returns None, having touched nothing, where the stock code must run.
     """
@@ -212,20 +233,31 @@ def decode_step(attn, x, mask=None, cache=None):
     if reason is not None:
         stats.fallback(reason)
         return None
+    length = x.shape[1]
+    record = cache.is_speculating
+    state_steps = length - 1 if record and length > 1 else None  # what update_recurrent asks stock for
     leaves = layer_leaves(attn)
-    key = (layer_configuration(attn, leaves), mask is not None)
+    key = (layer_configuration(attn, leaves), mask is not None, record, state_steps)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = _build(attn, leaves, mask is not None)
+        fn = _COMPILED[key] = _build(attn, leaves, mask is not None, record, state_steps)
     params = [dict(m) for m in leaves]
     args = (x, cache[0], cache[1], params, attn.A_log, attn.dt_bias, _scales(attn.scale))
-    output, window, state = fn(*args) if mask is None else fn(*args, mask)
-    # What stock leaves in a non-speculating cache without lengths:
-    # update_window(0, ...), update_recurrent(1, ...), advance(1).
-    cache[0] = window
-    cache[1] = state
-    cache.advance(1)
-    stats.hit()
+    result = fn(*args) if mask is None else fn(*args, mask)
+    output = result[0]
+    if record:
+        # Stock's own cache calls, in stock's order: they record the window
+        # and the states for rollback and check the history capacity.
+        cache.update_window(0, result[1], attn.qkv_conv.kernel_size - 1, lengths=None)
+        cache.update_recurrent(1, length, lambda _state, _steps: (output, *result[2:]))
+        stats.hit("verify")
+    else:
+        # What stock leaves in a non-speculating cache without lengths:
+        # update_window(0, ...), update_recurrent(1, ...), advance(1).
+        cache[0] = result[1]
+        cache[1] = result[2]
+        stats.hit()
+    cache.advance(length)
     return output
 
 

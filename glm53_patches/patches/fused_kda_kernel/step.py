@@ -68,10 +68,15 @@ def decode_step(attn, x, mask=None, cache=None):
     if not switch.wanted(backend):
         stats.fallback("no GPU backend" if backend is None else "kernel off (not verified here)")
         return None
-    reason = _compiled.why_not(attn, x, mask, cache) or unsupported(
-        x.dtype, cache[1], attn.num_heads, attn.head_dim, attn.lower_bound, (attn.A_log, attn.dt_bias),
-        attn.qkv_conv.conv.weight, backend,
-    )
+    if x.ndim != 3 or x.shape[1] != 1:
+        reason = "length"  # verify blocks: compiled_kda_decode (below this patch) records their history
+    elif getattr(cache, "is_speculating", False):
+        reason = "speculating"  # the kernel writes no history for rollback
+    else:
+        reason = _compiled.why_not(attn, x, mask, cache) or unsupported(
+            x.dtype, cache[1], attn.num_heads, attn.head_dim, attn.lower_bound, (attn.A_log, attn.dt_bias),
+            attn.qkv_conv.conv.weight, backend,
+        )
     if reason is not None:
         stats.fallback(reason)
         return None

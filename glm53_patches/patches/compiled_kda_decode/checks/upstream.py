@@ -50,9 +50,12 @@ single-token decode of `Glm5NextLinearAttention` runs the whole mixer (qkv
 projection, short convolution, q/k norms, safe gate, delta-rule step, gated
 output norm, output projection) as one `mx.compile`d function of the layer's
 weights, conv window and recurrent state, then stores the new window and
-state in the `ArraysCache` as the current code does. Prefill, training,
-speculative or ragged caches and unexpected shapes or dtypes run the current
-code.
+state in the `ArraysCache` as the current code does. Speculative verify blocks
+(a speculating cache, 1 to 8 tokens) run the same function with the current
+`state_steps`, and hand the conv input and intermediate states to the cache's
+own `update_window` / `update_recurrent`, which record them for rollback.
+Prefill, training, ragged caches and unexpected shapes or dtypes run the
+current code.
 
 The compiled function issues the same operations in the same order and
 dtypes, so the outputs are bit-identical to the current code: checked on the

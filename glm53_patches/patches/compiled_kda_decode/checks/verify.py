@@ -5,6 +5,8 @@ Metal or CUDA source on GPUs), so exactness is a property of the backend:
 math mode, FMA contraction and constant printing all live there. This runs
 stock and patched decode side by side on one small KDA layer per case and
 compares output, conv window and recurrent state bit for bit at every step.
+The verify-block cases run speculative blocks of 2 to 8 tokens instead, each
+committed with an accepted prefix per row, and compare after every commit.
 Each case also runs stock twice: where stock differs from itself (seen on
 CUDA with MLX 0.32.4, fp32 4-bit weights at batch 3), the comparison proves
 nothing, and the case is reported as inconclusive rather than as a failure.
@@ -47,8 +49,11 @@ def _layer(dtype, bits, seed, dims=SMALL):
     return layer
 
 
-def check_case(stock, fast, dtype, bits, padding, seed, dims=SMALL):
-    """One case: {"patch": first mismatch, "control": first stock-vs-stock difference, "worst": max |d|}."""
+def check_case(stock, fast, dtype, bits, padding, seed, dims=SMALL, blocks=False):
+    """One case: {"patch": first mismatch, "control": first stock-vs-stock difference, "worst": max |d|}.
+
+    With ``blocks``, each step is a speculative verify block (2 to 8 tokens) and its commit.
+    """
     from mlx_vlm.models.cache import ArraysCache
 
     layer = _layer(dtype, bits, seed=seed, dims=dims)
@@ -61,10 +66,17 @@ def check_case(stock, fast, dtype, bits, padding, seed, dims=SMALL):
         stock(layer, prompt, cache.make_mask(5), cache)
     found = {"worst": 0.0}
     for step in range(STEPS):
-        x = mx.random.normal((batch, 1, hidden)).astype(dtype)
-        a = stock(layer, x, caches[0].make_mask(1), caches[0])
-        again = stock(layer, x, caches[1].make_mask(1), caches[1])
-        b = fast(layer, x, caches[2].make_mask(1), caches[2])
+        length = 2 + step % 7 if blocks else 1
+        x = mx.random.normal((batch, length, hidden)).astype(dtype)
+        if blocks:
+            for cache in caches:
+                cache.start_speculation(length)
+        a = stock(layer, x, caches[0].make_mask(length), caches[0])
+        again = stock(layer, x, caches[1].make_mask(length), caches[1])
+        b = fast(layer, x, caches[2].make_mask(length), caches[2])
+        if blocks:  # a different accepted prefix per row
+            for cache in caches:
+                cache.commit_speculation([(step + row) % (length + 1) for row in range(batch)])
         for what, ref, other, got in (("output", a, again, b), ("conv", caches[0][0], caches[1][0], caches[2][0]),
                                       ("state", caches[0][1], caches[1][1], caches[2][1])):
             if "control" not in found and not same_bits(ref, other):
@@ -85,18 +97,20 @@ def verify():
     fast = make_call(stock)
     tally = Tally()
     start = time.perf_counter()
-    for dtype in (mx.float32, mx.bfloat16):
-        for bits in (None, 4):
-            for padding in (None, [0, 2, 7]):
-                name = f"{dtype} bits={bits} pad={padding}"
-                found = check_case(stock, fast, dtype, bits, padding, seed=tally.cases)
-                if "control" in found:  # stock differs from itself: a comparison proves nothing
-                    tally.inconclusive(name, found["control"])  # seen on CUDA (MLX 0.32.4): fp32 4-bit, batch 3
-                else:
-                    tally.add(name, "patch" not in found, found["worst"], found.get("patch", ""))
+    for blocks in (False, True):
+        for dtype in (mx.float32, mx.bfloat16):
+            for bits in (None, 4):
+                for padding in (None, [0, 2, 7]):
+                    name = f"{'verify blocks' if blocks else 'decode'} {dtype} bits={bits} pad={padding}"
+                    found = check_case(stock, fast, dtype, bits, padding, seed=tally.cases, blocks=blocks)
+                    if "control" in found:  # stock differs from itself: a comparison proves nothing
+                        tally.inconclusive(name, found["control"])  # seen on CUDA (MLX 0.32.4): fp32 4-bit, batch 3
+                    else:
+                        tally.add(name, "patch" not in found, found["worst"], found.get("patch", ""))
     failures = [r for r in tally.records if r["result"] == "differs"]
     unstable = [r for r in tally.records if r["result"] == "inconclusive"]
-    detail = f"{STEPS} decode steps per case (fp32/bf16 x dense/4-bit x batch 1/batch 3 masked)"
+    detail = (f"{STEPS} decode steps or speculative verify blocks (2-8 tokens, committed in part) per case "
+              "(fp32/bf16 x dense/4-bit x batch 1/batch 3 masked)")
     if failures:
         detail += f"; {len(failures)} case(s) differ, first mismatch each: " + "; ".join(
             f"{r['case']}: {r['where']}" for r in failures)
