@@ -111,9 +111,24 @@ class Server:
             return "".join(text), None
 
 
+def settled(name, period=1.5):
+    """A ``Server.published`` condition: ``name``'s hits unchanged over a flush period (every request's
+    counters are in)."""
+    seen = {}
+
+    def until(report):
+        hits = report["patches"][name]["stats"]["hits"]
+        if hits != seen.get("hits"):
+            seen.update(hits=hits, since=time.time())
+        return bool(hits) and time.time() - seen["since"] >= period
+
+    return until
+
+
 @contextmanager
-def stock_server(model_dir, tmp_path, env_extra=None, args=()):
-    """The unmodified mlx-vlm server module, with only the environment changed."""
+def stock_server(model_dir, tmp_path, env_extra=None, args=(), server_args=()):
+    """The unmodified mlx-vlm server module, with only the environment changed (``args`` go to Python,
+    ``server_args`` to the server)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLM53_", "APC_"))}
     env["HF_HUB_OFFLINE"] = "1"
@@ -125,7 +140,7 @@ def stock_server(model_dir, tmp_path, env_extra=None, args=()):
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, *args, "-m", "mlx_vlm.server", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port)],
+             "--host", "127.0.0.1", "--port", str(port), *server_args],
             env=env, stdout=log, stderr=subprocess.STDOUT)
     server = Server(process, port, log_path, model_dir, state_dir)
     try:
@@ -152,4 +167,5 @@ def stock_server(model_dir, tmp_path, env_extra=None, args=()):
 
 @pytest.fixture
 def server_factory(tmp_path):
-    return lambda model_dir, env=None, args=(): stock_server(model_dir, tmp_path, env, args)
+    return lambda model_dir, env=None, args=(), server_args=(): stock_server(model_dir, tmp_path, env, args,
+                                                                              server_args)

@@ -5,6 +5,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from conftest import settled
+
 NAME = "layer_decode"
 PROMPTS = [
     "Tell me a story about a lighthouse keeper who counts ships.",
@@ -22,19 +24,6 @@ def _answers(server):
     return plain, streamed, concurrent
 
 
-def _settled(name, period=1.5):
-    """``published``'s condition: ``name``'s hits unchanged over a flush period (all requests' counters in)."""
-    seen = {}
-
-    def until(report):
-        hits = report["patches"][name]["stats"]["hits"]
-        if hits != seen.get("hits"):
-            seen.update(hits=hits, since=time.time())
-        return bool(hits) and time.time() - seen["since"] >= period
-
-    return until
-
-
 def test_served_answers_equal_stock_and_its_layers_served_them(server_factory, tiny_q4_dir, tmp_path):
     with server_factory(tiny_q4_dir) as stock:
         expected = _answers(stock)
@@ -43,7 +32,7 @@ def test_served_answers_equal_stock_and_its_layers_served_them(server_factory, t
     for env in ({"GLM53_PATCHES": NAME}, {"GLM53_PATCHES": "all"}):
         with server_factory(tiny_q4_dir, env=env) as patched:
             answers = _answers(patched)
-            report = patched.published(until=_settled(NAME))
+            report = patched.published(until=settled(NAME))
             status = subprocess.run([sys.executable, "-m", "glm53_patches.cli", "status"], capture_output=True,
                                     text=True, env={"GLM53_PATCHES_STATE_DIR": str(tmp_path / "state"), "PATH": ""})
             served = status.stdout.split(f"process {patched.process.pid}:")[1].split("\nprocess ")[0]
