@@ -36,6 +36,9 @@ def add_arguments(parser):
       help="comma list: stock, a patch name, a+b, 'each' (every patch alone), 'all' (what GLM53_PATCHES=all turns on here: the exact patches, kernels only where verified), all+name")
     a("--contexts", help="decode context lengths, short,long (default 256,4096; --small 16,256)")
     a("--prefill", help="prefill prompt lengths (default 128,512; --small 16,64; '' skips)")
+    a("--verify-blocks", default="1,2,3,4",
+      help="verify section: speculative verify block sizes (bonus token + drafts) at each decode context; "
+           "1 is the plain decode step they are compared with (default 1,2,3,4)")
     a("--rounds", type=int, help="interleaved rounds per measurement (default 3)")
     a("--steps", type=int, help="timed steps per round (default 24)")
     a("--warmup", type=int, help="untimed steps per round before timing (default 4)")
@@ -72,6 +75,7 @@ def _finish_args(args):
         args.pipelined_steps = args.steps
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     args.contexts, args.prefill = ints(args.contexts), ints(args.prefill)
+    args.verify_blocks = ints(args.verify_blocks)
     if args.sections is None:  # sections imports mlx: only once a bench really runs
         from .sections import SECTIONS
 

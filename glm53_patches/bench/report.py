@@ -142,6 +142,7 @@ def _blocks(results):
                       "async_eval'd before step n's token is read); build, async_eval, wait: the thread's ms per "
                       "pipelined step")
         blocks.append((title, columns))
+    blocks += _verify_blocks(results, labels)
     layers = [(name, {l: _cell(results, l, e["arms"].get(l)) for l in labels}) for name, e in layer_entries(results)]
     if layers:
         blocks.append(("one layer or block alone, ms per step", layers))
@@ -166,6 +167,41 @@ def _blocks(results):
     if other:
         blocks.append(("decode step: graph primitives (deterministic), peak memory, time over the copy floor", other))
     blocks.append(("check vs stock", [("verdict", {l: results["verdicts"].get(l, "-") for l in labels})]))
+    return blocks
+
+
+def verify_costs(results):
+    """{context: {arm: {block: ms}}} of the verify section, and each arm's cost of one extra token in a block
+    as a fraction of its own single-token step: ``(t_L - t_1) / ((L - 1) * t_1)``, at the largest L."""
+    table = {}
+    for entry in results.get("verify", {}).values():
+        for label, arm in entry["arms"].items():
+            table.setdefault(entry["context"], {}).setdefault(label, {})[entry["block"]] = arm["median"]
+    costs = {}
+    for context, arms in table.items():
+        for label, ms in arms.items():
+            largest = max(ms)
+            if 1 in ms and largest > 1:
+                costs.setdefault(context, {})[label] = (ms[largest] - ms[1]) / ((largest - 1) * ms[1])
+    return table, costs
+
+
+def _verify_blocks(results, labels):
+    table, costs = verify_costs(results)
+    blocks = []
+    for context, arms in table.items():
+        sizes = sorted({size for ms in arms.values() for size in ms})
+        entries = {e["block"]: e for e in results["verify"].values() if e["context"] == context}
+        columns = [(f"L={size} ms", {l: _cell(results, l, entries[size]["arms"].get(l)) for l in labels})
+                   for size in sizes]
+        top = sizes[-1]
+        if 1 in sizes and top > 1:
+            columns.append((f"L={top} / own L=1", {l: f"{ms[top] / ms[1]:.2f}x" for l, ms in arms.items()
+                                                    if 1 in ms and top in ms}))
+            columns.append(("extra token, x step", {l: f"{c:.2f}" for l, c in costs.get(context, {}).items()}))
+        blocks.append((f"speculative verify blocks at a {context}-token context: ms per block of L tokens "
+                       "(the bonus token and L - 1 drafts, then a commit); extra token: each token past the "
+                       "first, as a fraction of the arm's own single-token step", columns))
     return blocks
 
 

@@ -8,7 +8,7 @@ from . import measure, synthetic
 
 CHUNK = 2048  # the prefill step mlx-vlm uses (prefill_step_size)
 
-SECTIONS = ("bandwidth", "kda", "decode", "graph", "dsa", "moe", "prefill", "prefill_kda", "prefill_dsa")
+SECTIONS = ("bandwidth", "kda", "decode", "graph", "verify", "dsa", "moe", "prefill", "prefill_kda", "prefill_dsa")
 
 
 def representative_layers(layers):
@@ -175,6 +175,44 @@ class Bench:
             self.progress(f"graph | {label:>22} | {counts['decode_step'][label]['total']} primitives per decode step")
         counts["decode_step"]["context"] = tokens
         self.arms.release()
+
+    def verify(self):
+        """Speculative verify blocks as mlx-vlm's MTP loop runs them on the target: a speculating
+        cache (``start_speculative_cache``), one forward of the bonus token and L - 1 drafts, the
+        greedy tokens read, then a commit of one token (every draft rejected, so the context grows by
+        one per block, as in decode). L = 1 is a plain decode step, the blocks' baseline."""
+        from mlx_vlm.speculative.cache_state import start_speculative_cache
+
+        model = self.model
+        for tokens in self.args.contexts:
+            for length in self.args.verify_blocks:
+                if self.runner.past_deadline():
+                    self.results["skipped"].append(f"verify block {length} at {tokens}: time budget spent")
+                    continue
+                block = mx.random.randint(0, self.config.vocab_size, (1, length), key=mx.random.key(length))
+
+                def make(tokens=tokens):
+                    return {"cache": synthetic.clone_cache(self.context(tokens))}
+
+                def step(s, i, block=block, length=length):
+                    cache = s["cache"]
+                    transaction = start_speculative_cache(cache, length) if length > 1 else None
+                    logits = model(block, cache=cache).logits
+                    y = mx.argmax(logits, axis=-1)
+                    mx.eval(logits, y)
+                    if transaction is not None:
+                        transaction.commit([1])
+                    mx.eval(synthetic.cache_arrays(cache))
+                    return [logits, y]
+
+                def final(s):
+                    return synthetic.cache_arrays(s["cache"])
+
+                workload = measure.Workload(f"verify block {length} ctx {tokens}", make, step, final,
+                                            token=lambda arrays: arrays[1][0, 0].item())
+                timed = self._run("verify", f"{tokens}/{length}", workload)
+                timed.update(context=tokens, block=length)
+                self.save()
 
     def dsa(self):
         if self.dsa_index is None:

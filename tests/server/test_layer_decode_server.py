@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from conftest import settled

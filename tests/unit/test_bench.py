@@ -48,7 +48,7 @@ def run(tmp_path_factory):
     try:
         code = main(["--small", "--arms", "stock,bench_probe_exact,bench_probe_wrong", "--rounds", "2",
                      "--steps", "2", "--warmup", "1", "--check-steps", "3", "--contexts", "16,96",
-                     "--prefill", "8,16", "--no-png", "--quiet", "--out", str(out)])
+                     "--prefill", "8,16", "--verify-blocks", "1,3", "--no-png", "--quiet", "--out", str(out)])
     finally:
         registry.revert()
         registry._extra_plugins, registry._plugins = saved
@@ -106,6 +106,28 @@ def test_decode_is_also_timed_as_mlx_vlm_pipelines_it(run):
         assert r["decode"][ctx]["arms"]["bench_probe_exact"]["pipelined"]["tokens_match_stock"]
         assert r["correctness"]["bench_probe_exact"][f"decode.{ctx}"]["pipelined_tokens_match"]
         assert isinstance(r["correctness"]["bench_probe_wrong"][f"decode.{ctx}"]["pipelined_tokens_match"], bool)
+
+
+def test_verify_blocks_are_timed_checked_and_tabled(run):
+    """Speculative verify blocks (and the 1-token step they are compared with) at every decode context,
+    each arm checked bit for bit against stock, the cost of an extra token worked out per arm."""
+    _, r = run
+    arms = ["stock", "bench_probe_exact", "bench_probe_wrong"]
+    for ctx in (16, 96):
+        for block in (1, 3):
+            entry = r["verify"][f"{ctx}/{block}"]
+            assert (entry["context"], entry["block"]) == (ctx, block) and set(entry["arms"]) == set(arms)
+            assert r["correctness"]["bench_probe_exact"][f"verify.{ctx}/{block}"]["outputs_bitwise"]
+            assert not r["correctness"]["bench_probe_wrong"][f"verify.{ctx}/{block}"]["outputs_bitwise"]
+    table, costs = report.verify_costs(r)
+    for arm in arms:
+        ms = table[96][arm]
+        assert ms[3] == r["verify"]["96/3"]["arms"][arm]["median"]
+        assert costs[96][arm] == pytest.approx((ms[3] - ms[1]) / (2 * ms[1]))
+    lines = report.table(r).splitlines()
+    title = "speculative verify blocks at a 96-token context"
+    assert _column(lines, title, "L=3 ms", "bench_probe_wrong").endswith("WRONG")
+    assert float(_column(lines, title, "extra token, x step", "stock")) == pytest.approx(costs[96]["stock"], abs=5e-3)
 
 
 def _column(lines, title, header, arm):

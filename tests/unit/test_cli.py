@@ -63,6 +63,25 @@ def test_tiny_model_command_writes_a_loadable_checkpoint(tmp_path):
     assert config["quantization"]["bits"] == 8
 
 
+def test_tiny_model_command_writes_a_drafter_the_stock_loader_takes(tmp_path):
+    target, draft = tmp_path / "m", tmp_path / "draft"
+    result = cli("tiny-model", str(target), "--quantize-bits", "4", "--drafter", str(draft),
+                 env_extra={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(target), str(draft)]
+    config = json.loads((draft / "config.json").read_text())
+    assert config["model_type"] == "glm5_next_mtp"
+    assert config["text_config"] == json.loads((target / "config.json").read_text())["text_config"]
+    # What `mlx_vlm.server --draft-model DIR --draft-kind mtp` does with it, in a fresh process.
+    check = ("import sys; from mlx_vlm import load; from mlx_vlm.speculative.drafters import load_drafter, "
+             "validate_drafter_compatibility\n"
+             "model, _ = load(sys.argv[1]); drafter, kind = load_drafter(sys.argv[2], 'mtp')\n"
+             "validate_drafter_compatibility(model, drafter, kind); print(kind, type(drafter).__name__)\n")
+    loaded = subprocess.run([sys.executable, "-c", check, str(target), str(draft)], capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert loaded.stdout.split() == ["mtp", "Glm5NextMTPDraftModel"], loaded.stderr
+
+
 def test_parallel_verify_runs_keep_every_record(tmp_path):
     """Processes recording at once (verify runs in parallel, one patch each) lose none of their records."""
     writer = ("import sys; from glm53_patches import verify_records\n"
