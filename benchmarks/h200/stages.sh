@@ -37,3 +37,23 @@ merge_ptx() {  # after `wait`: one kernel cache from the parallel ones, for the 
   mkdir -p $ROOT/ptx && for d in $ROOT/ptx-*; do cp -rn "$d"/. $ROOT/ptx/ 2>/dev/null; done
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
 }
+
+verify_all() {  # verify_all NAME...: CUDA `verify` of each patch in parallel (one state folder and kernel
+  # cache each, --report to $RES), then their records merged into $ROOT/state and the kernel caches into one
+  for name in "$@"; do
+    GLM53_PATCHES_STATE_DIR=$ROOT/state-$name par verify_$name 420 $PY -m glm53_patches.cli verify $name \
+      --report $RES/verify_$name.json
+  done
+  wait
+  merge_ptx
+  $PY - "$ROOT" > $RES/verified_merge.txt 2>&1 <<'PY'
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1]); merged = {}
+for path in sorted(root.glob("state-*/verified.json")):
+    merged.update(json.loads(path.read_text()))
+(root / "state").mkdir(exist_ok=True)
+(root / "state" / "verified.json").write_text(json.dumps(merged, indent=1, sort_keys=True))
+for key, value in sorted(merged.items()):
+    print(key.split("|")[0], key.split("|")[-1], "passed" if value.get("passed") else "FAILED", value.get("cases"), value.get("seconds"))
+PY
+}
