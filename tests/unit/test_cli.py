@@ -106,7 +106,7 @@ def test_verify_report_holds_the_machine_and_every_case(tmp_path):
     machine = report["machine"]
     assert machine["mlx"] and machine["mlx-vlm"] and machine["os"] and machine["python"] and machine["backend"] == "cpu"
     entry = report["patches"]["compiled_kda_decode"]
-    assert entry["passed"] is True and len(entry["case_results"]) == entry["cases"] == 8
+    assert entry["passed"] is True and len(entry["case_results"]) == entry["cases"] == 16  # 8 decode, 8 verify-block
     assert {case["result"] for case in entry["case_results"]} == {"exact"}
     assert all(case["case"] in result.stdout for case in entry["case_results"])  # --cases prints each
     stored = verify_records.load()
