@@ -200,7 +200,9 @@ def cmd_verify(args):
 
 
 def _case_table(results):
-    lines = ["", f"{'patch':22} {'case':52} result"]
+    cases = [case["case"] for result in results.values() for case in result.get("case_results") or []]
+    width = max([52, *map(len, cases)])  # whole names: two cases must never print alike
+    lines = ["", f"{'patch':22} {'case':{width}} result"]
     for name, result in results.items():
         for case in result.get("case_results") or []:
             outcome = case["result"]
@@ -210,7 +212,7 @@ def _case_table(results):
                 outcome += f": {case['error']}"
             elif outcome == "inconclusive":
                 outcome += f": {case['why']}"
-            lines.append(f"{name:22} {case['case'][:52]:52} {outcome}")
+            lines.append(f"{name:22} {case['case']:{width}} {outcome}")
     return "\n".join(lines)
 
 
