@@ -11,23 +11,7 @@
 BUDGET=${1:-1200}
 . "$(dirname "$0")/stages.sh"
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv; python3 --version; } > $RES/machine.txt 2>&1
-VERIFY=${VERIFY:-"compiled_kda_decode fused_kda_kernel hc_decode router_select expert_combine dsa_decode layer_decode dequantized_experts gathered_prefill vault_cache"}
-for name in $VERIFY; do
-  GLM53_PATCHES_STATE_DIR=$ROOT/state-$name par verify_$name 420 $PY -m glm53_patches.cli verify $name \
-    --report $RES/verify_$name.json
-done
-wait
-merge_ptx
-$PY - "$ROOT" > $RES/verified_merge.txt 2>&1 <<'PY'
-import json, pathlib, sys
-root = pathlib.Path(sys.argv[1]); merged = {}
-for path in sorted(root.glob("state-*/verified.json")):
-    merged.update(json.loads(path.read_text()))
-(root / "state").mkdir(exist_ok=True)
-(root / "state" / "verified.json").write_text(json.dumps(merged, indent=1, sort_keys=True))
-for key, value in sorted(merged.items()):
-    print(key.split("|")[0], key.split("|")[-1], "passed" if value.get("passed") else "FAILED", value.get("cases"), value.get("seconds"))
-PY
+verify_all ${VERIFY:-compiled_kda_decode fused_kda_kernel hc_decode router_select expert_combine dsa_decode layer_decode dequantized_experts gathered_prefill vault_cache}
 $PY -m glm53_patches.cli status > $RES/status.txt 2>&1
 D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode
 stage decode 560 $B --layers ${LAYERS:-45} --experts ${EXPERTS:-64} --sections decode,graph --contexts ${CONTEXTS:-256,4096} \
