@@ -172,8 +172,8 @@ def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, v
             tally.compare(f"tiny model {label} B={batch}", *results)
 
 
-def verify_gpu_kernel(patch, check_kernel, owner, make_call, switch):
-    """``verify`` of a patch that is one GPU kernel behind ``owner.__call__`` and stock elsewhere.
+def verify_gpu_kernel(patch, check_kernel, owner, make_call, switch, attr="__call__"):
+    """``verify`` of a patch that is one GPU kernel behind ``owner.attr`` and stock elsewhere.
 
     On a GPU: ``check_kernel(tally, backend)`` (the kernel against stock's
     ops), then the tiny models with the kernel forced on, which must count
@@ -192,7 +192,7 @@ def verify_gpu_kernel(patch, check_kernel, owner, make_call, switch):
     if on_gpu:
         check_kernel(tally, here)
     stock = registry.upstream(next(iter(patch.targets)))  # stock even while patches are applied
-    compare_tiny_models(tally, owner, "__call__", stock, make_call(stock), lambda: switch.forcing(True))
+    compare_tiny_models(tally, owner, attr, stock, make_call(stock), lambda: switch.forcing(True))
     ran = patch.stats.snapshot()["hits"].get("kernel", 0) - before
     if on_gpu and not ran:  # equal outputs prove nothing if stock ran both times
         tally.mismatches.append("the kernel never ran in the model check")
