@@ -1,4 +1,4 @@
-"""glm53-patches: status | list | doctor | verify | bench | stage | tiny-model | fingerprints."""
+"""glm53-patches: status | list | doctor | verify | bench | stage | warmup | tiny-model | fingerprints."""
 
 import argparse
 import json
@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import backend, bench, config, drift, pins, stage, verify_records
+from . import backend, bench, config, drift, pins, stage, verify_records, warmup
 
 # Subcommands that run MLX: where it cannot load they say so in one line.
-NEEDS_MLX = ("verify", "bench", "stage", "tiny-model")
+NEEDS_MLX = ("verify", "bench", "stage", "tiny-model", "warmup")
 
 
 def _registry():
@@ -283,6 +283,7 @@ def main(argv=None):
     verify.set_defaults(run=cmd_verify)
     bench.add_parser(commands)
     stage.add_parser(commands)
+    warmup.add_parser(commands)
     from .patches.vault_cache import inventory  # `vault list|prune`, vault_cache's entries on disk
 
     inventory.add_parser(commands)
