@@ -58,6 +58,7 @@ COMPOSES = {
     "dsa_decode": "eager indexer, row gather",
     "indexer_fp32": "eager indexer",
     "kda_prefill_kernel": "prefill",
+    "exact_kda_prefill": "prefill (a decode step's single token goes to stock's loop)",
     "dequantized_experts": "prefill",
     "gathered_prefill": "prefill",
     "latent_prefill": "prefill",
