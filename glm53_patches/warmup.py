@@ -150,10 +150,7 @@ def run(model, *, chunk=None, max_tokens=8, concurrent=2, server_args=(), ready_
     """Warm MLX's kernel cache for ``model`` through the stock server; returns a summary dict."""
     from .backend import current
 
-    try:
-        config = check(model)
-    except CheckpointError as exc:
-        raise WarmupError(str(exc)) from None
+    config = check(model)  # CheckpointError: a bad --model, before any server starts
     chunk = chunk or int(os.environ.get("PREFILL_STEP_SIZE") or DEFAULT_CHUNK)
     limit = (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
     target = chunk + 64 if not limit else min(chunk + 64, int(limit) - max_tokens - 8)
@@ -217,9 +214,9 @@ def run(model, *, chunk=None, max_tokens=8, concurrent=2, server_args=(), ready_
 def cmd_warmup(args):
     try:
         run(args.model, chunk=args.chunk, max_tokens=args.max_tokens, concurrent=args.concurrent)
-    except WarmupError as exc:
+    except (CheckpointError, WarmupError) as exc:
         print(f"glm53-patches warmup: {exc}", file=sys.stderr)
-        return 2 if str(exc).startswith("--model") else 1
+        return 2 if isinstance(exc, CheckpointError) else 1
     return 0
 
 
