@@ -59,6 +59,7 @@ COMPOSES = {
     "indexer_fp32": "eager indexer",
     "kda_prefill_kernel": "prefill",
     "exact_kda_prefill": "prefill (a decode step's single token goes to stock's loop)",
+    "exact_sparse_prefill": "prefill (more than 8 tokens)",
     "dequantized_experts": "prefill",
     "gathered_prefill": "prefill",
     "latent_prefill": "prefill",
