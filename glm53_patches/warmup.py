@@ -80,6 +80,20 @@ class Progress:
         print(f" {time.perf_counter() - started:.1f} s{note}", file=self.out, flush=True)
 
 
+# A cold CUDA cache makes the first prefill chunk slow: on an H200 a 70-token first request to a
+# 4-layer checkpoint at GLM-5.3-Flash's widths took 272 s, all of it compilation. Stock's server gives
+# up on a request after MLX_VLM_TOKEN_QUEUE_TIMEOUT (600 s) without a token, which a full first chunk
+# can exceed; warmup's own server waits longer unless the caller set the variable.
+TOKEN_WAIT_S = 3600
+
+
+def server_environment(environ):
+    """The environment warmup's server runs with: the caller's, with a longer token wait unless set."""
+    env = dict(environ)
+    env.setdefault("MLX_VLM_TOKEN_QUEUE_TIMEOUT", str(TOKEN_WAIT_S))
+    return env
+
+
 class _Server:
     """The stock server as a child process, with this process's environment."""
 
@@ -89,7 +103,7 @@ class _Server:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "mlx_vlm.server", "--model", str(model), "--host", "127.0.0.1",
                  "--port", str(self.port), *server_args],
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT, env=server_environment(os.environ))
 
     def log_tail(self, lines=15):
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

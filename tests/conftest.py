@@ -12,7 +12,20 @@ from contextlib import contextmanager
 
 import pytest
 
-import glm53_patches
+# Under pytest-xdist (the nox sessions run the suite with -n auto) each worker gets its own temp
+# folder before anything compiles: MLX's CPU backend keeps compiled kernels in <temp>/mlx/<version>/cpu
+# and checks only that a library file exists before it loads it, so two processes compiling the same
+# kernel at once could load a half-written one. Servers started by the tests inherit the variable.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    import tempfile
+
+    _temp = os.path.join(tempfile.gettempdir(), f"glm53-tests-{_WORKER}")
+    os.makedirs(_temp, exist_ok=True)
+    os.environ["TMPDIR"] = _temp
+    tempfile.tempdir = None  # read TMPDIR again
+
+import glm53_patches  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

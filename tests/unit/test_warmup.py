@@ -88,3 +88,8 @@ def test_the_kernel_cache_is_where_mlx_keeps_it():
     default = warmup.kernel_cache("cuda", {})
     assert default.parts[-3:] == ("mlx", mx.__version__, "ptx")  # MLX: temp_directory_path() / mlx / version / ptx
     assert warmup.kernel_cache("cpu") == default.parent / "cpu" and warmup.kernel_cache("metal") is None
+
+
+def test_the_server_waits_longer_for_a_cold_first_token_unless_told():
+    assert warmup.server_environment({"PATH": "/bin"}) == {"PATH": "/bin", "MLX_VLM_TOKEN_QUEUE_TIMEOUT": "3600"}
+    assert warmup.server_environment({"MLX_VLM_TOKEN_QUEUE_TIMEOUT": "90"})["MLX_VLM_TOKEN_QUEUE_TIMEOUT"] == "90"
