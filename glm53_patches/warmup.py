@@ -156,7 +156,7 @@ class _Server:
 
 
 def prompt_of(words):
-    """A plain-text prompt of about ``words`` tokens (one common word each)."""
+    """A plain-text prompt of ``words`` repetitions of one word (how many tokens that is, the tokenizer says)."""
     return ("Summarise the following notes. " + "note " * words).strip()
 
 
