@@ -38,21 +38,6 @@ DESCRIBED = _described()
 CASES = [(name, pin) for name in DESCRIBED for pin in PINS]
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("stage-cache")
-
-
-@pytest.fixture(scope="session")
-def releases(cache):
-    return stage.pinned_trees(cache)
-
-
-@pytest.fixture(scope="session")
-def models(cache):
-    return stage.tiny_models(cache)
-
-
 def git(repo, *args, check=True):
     command = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args]
     return subprocess.run(command, cwd=repo, capture_output=True, text=True, check=check)
@@ -548,26 +533,6 @@ def test_stage_reports_a_tree_without_the_hooked_function(releases, tmp_path):
 
 
 # -- the command and the PR text --------------------------------------------------------------------------
-
-
-def test_stage_all_prints_a_row_per_patch_and_pin(releases, cache, tmp_path, capsys):
-    code = stage.main(["--all", "--no-run", "--out", str(tmp_path), "--cache", str(cache)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
-    rows = [line.split() for line in printed.splitlines()[1:] if line and not line.startswith("wrote")]
-    for name in DESCRIBED:
-        mine = [row for row in rows if row[0] == name]
-        assert [row[1] for row in mine] == PINS and all(row[2] == "applies" for row in mine)
-        for row, pin in zip(mine, PINS):
-            folder = tmp_path / name / f"mlx-vlm-{pin}"
-            diff = (folder / "PATCH.diff").read_text()
-            assert {f.name for f in folder.iterdir()} == {"PATCH.diff", "stage.json"}  # no tests ran: no evidence
-            assert row[3:5] == [str(len(diff.splitlines())), str(len(diff.encode()))]
-    for name, patch in stage.stageable().items():
-        if name not in DESCRIBED:
-            assert [row[1:3] for row in rows if row[0] == name] == [["-", "-"]]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary) == len(DESCRIBED) * len(PINS) + len(stage.stageable()) - len(DESCRIBED)
 
 
 FIRST_PERSON = re.compile(r"\b(I|[Mm]e|[Mm]y|[Ww]e|[Oo]ur)\b")
