@@ -25,9 +25,10 @@ from glm53_patches import pins  # noqa: E402  (stdlib-only module)
 
 PINS = pins.read(ROOT / "upstream_pins.txt")
 REFERENCE = PINS[0]["mlx-vlm"]
-# Numerics files that test patches other than the one in their name, or several at once.
+PATCHES = ROOT / "glm53_patches" / "patches"
+# Numerics files whose name does not start with the patch they test. A file that maps to
+# no patch (test_speculative.py, test_kernel_switches.py) tests several: it runs wherever any changed.
 OWNERS = {"moe_kernels": {"router_select", "expert_combine"}, "vault_ttft": {"vault_cache"}}
-CROSS_PATCH = ("speculative", "kernel_switches")
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -35,20 +36,26 @@ nox.options.reuse_existing_virtualenvs = True
 def upstream_changed(version):
     """The patches whose fingerprinted upstream code on ``version`` differs from the reference pin's."""
     changed = set()
-    for path in sorted((ROOT / "glm53_patches" / "patches").glob("*/fingerprints.json")):
+    for path in sorted(PATCHES.glob("*/fingerprints.json")):
         for groups in json.loads(path.read_text()).values():
             if not any(REFERENCE in versions and version in versions for versions in groups.values()):
                 changed.add(path.parent.name)
     return changed
 
 
-def numerics_for(version):
-    """tests/numerics files an older pin runs: those of its changed patches (all cross-patch ones if any changed)."""
-    changed = upstream_changed(version)
+def owners(topic):
+    """The patches tests/numerics/test_<topic>.py tests (OWNERS, else the patch its name starts with)."""
+    if topic in OWNERS:
+        return OWNERS[topic]
+    return {p.parent.name for p in PATCHES.glob("*/__init__.py") if f"{topic}_".startswith(f"{p.parent.name}_")}
+
+
+def numerics_for(changed):
+    """tests/numerics files an older pin runs, given its changed patches (cross-patch files if any changed)."""
     files = []
     for path in sorted((ROOT / "tests" / "numerics").glob("test_*.py")):
-        topic = path.stem[len("test_"):]
-        if (topic in CROSS_PATCH and changed) or OWNERS.get(topic, {topic}) & changed:
+        mine = owners(path.stem[len("test_"):])
+        if changed and (mine & changed or not mine):
             files.append(str(path.relative_to(ROOT)))
     return files
 
@@ -61,8 +68,9 @@ def tests(session, mlx_vlm):
     if mlx_vlm == REFERENCE:
         paths = ["tests"]
     else:
-        paths = ["tests/server", "tests/pins", "tests/bootstrap", *numerics_for(mlx_vlm)]
+        changed = upstream_changed(mlx_vlm)
+        paths = ["tests/server", "tests/pins", "tests/bootstrap", *numerics_for(changed)]
         session.log(f"mlx-vlm {mlx_vlm}: upstream code differs from {REFERENCE} for "
-                    f"{', '.join(sorted(upstream_changed(mlx_vlm))) or 'no patch'}")
+                    f"{', '.join(sorted(changed)) or 'no patch'}")
     session.run("pytest", "-q", "-n", "auto", "--dist", "loadfile", *paths, *session.posargs,
                 env={"GLM53_TEST_PIN": mlx_vlm})
