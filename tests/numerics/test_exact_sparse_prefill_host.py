@@ -160,7 +160,7 @@ def run_case(tmp, dtype, dim, seed):
     defines += "".join(f"constexpr int {name}_ = {value};\n" for name, value in (
         ("H", H), ("D", dim), ("NPT", kernel.gemv_per_thread(dim)), ("FMA", kernel.DEFAULT_FMA),
         ("SLOTS", kernel.SLOTS), ("VEC", width if dim % width == 0 else 1)))
-    lowest = float(np.finfo(np.float32).min) if dtype == mx.float32 else -3.3895313892515355e38
+    lowest = mx.array(mx.finfo(dtype).min, dtype=dtype).item()  # what kernel.scores hands the kernel
     source = PRELUDE + HOST_FUNCTIONS + defines + PROGRAM % {
         "scores": kernel.SCORES_SOURCE, "gather": kernel.GATHER_SOURCE, "block": kernel.THREADS,
         "T": "bf16" if dtype == mx.bfloat16 else "float", "lowest": repr(lowest) + "f",
