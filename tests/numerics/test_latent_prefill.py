@@ -30,8 +30,16 @@ def bits(a):
     return np.array(a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize]))
 
 
+@pytest.fixture(params=["dense", "gathered"])
+def path(request, monkeypatch):
+    """Each test runs on both paths: dense (the default at these sizes) and gathered."""
+    if request.param == "gathered":
+        monkeypatch.setattr(attend, "DENSE_KEYS_PER_SLOT", 0)
+    return f"prefill ({request.param})"
+
+
 @pytest.fixture
-def fast(monkeypatch):
+def fast(monkeypatch, path):
     PATCH.stats.reset()
     call = PATCH.targets[f"{language.__name__}:Glm5NextAttention._attend"](STOCK)
     monkeypatch.setattr(Glm5NextAttention, "_attend", call)
@@ -56,7 +64,7 @@ def attend_inputs(attn, batch, length, keys, padded_rows=(), seed=0):
 
 @pytest.mark.parametrize("batch,padded", [(1, ()), (2, [(0, 5), (1, 11)])])
 @pytest.mark.parametrize("last_only", [False, True])
-def test_close_to_stock_prefill(fast, batch, padded, last_only):
+def test_close_to_stock_prefill(fast, path, batch, padded, last_only):
     attn = dsa_layer()
     q, latent, topk = attend_inputs(attn, batch, 37, 150, padded)
     ref, ref_topk = STOCK(attn, q, latent, latent, topk, KVCache(), None, last_only)
@@ -65,16 +73,19 @@ def test_close_to_stock_prefill(fast, batch, padded, last_only):
     assert np.array_equal(np.array(got_topk), np.array(ref_topk))
     scale = np.abs(f64(ref)).max()
     assert np.abs(f64(got) - f64(ref)).max() < 1e-5 * scale
-    assert PATCH.stats.snapshot()["hits"] == {"prefill": 1}
+    assert PATCH.stats.snapshot()["hits"] == {path: 1}
 
 
-def test_blocks_of_queries_give_the_same_bits(fast, monkeypatch):
+def test_blocks_of_queries_give_the_same_bits(fast, path, monkeypatch):
     """The query block size is memory tiling only: every block size, the same output."""
     attn = dsa_layer()
     q, latent, topk = attend_inputs(attn, 1, 40, 120)
     whole, _ = fast(attn, q, latent, latent, topk, KVCache(), None)
     for rows in (1, 7, 16):
-        monkeypatch.setattr(attend, "GATHER_ELEMENTS", rows * topk.shape[-1] * attn.kv_lora_rank)
+        if path == "prefill (dense)":
+            monkeypatch.setattr(attend, "DENSE_ELEMENTS", rows * attn.num_heads * latent.shape[2])
+        else:
+            monkeypatch.setattr(attend, "GATHER_ELEMENTS", rows * topk.shape[-1] * attn.kv_lora_rank)
         tiled, _ = fast(attn, q, latent, latent, topk, KVCache(), None)
         assert np.array_equal(bits(tiled), bits(whole)), rows
 
@@ -89,7 +100,7 @@ def test_short_chunks_run_stock(fast):
 
 
 @pytest.mark.parametrize("quantize_bits", [None, 4])
-def test_tiny_model_teacher_forced_quality(fast, quantize_bits):
+def test_tiny_model_teacher_forced_quality(fast, path, quantize_bits):
     """Gate: prompts of 300 tokens (the indexer selects 64 of up to 300 keys)."""
     lm = build_model(seed=0, quantize_bits=quantize_bits).language_model
     mx.random.seed(0)
@@ -99,7 +110,7 @@ def test_tiny_model_teacher_forced_quality(fast, quantize_bits):
         Glm5NextAttention._attend = call
         logits[arm] = f64(lm(tokens, cache=lm.make_cache()).logits)
     dsa_layers = sum(not l.is_linear for l in lm.model.layers)
-    assert PATCH.stats.snapshot()["hits"] == {"prefill": dsa_layers}
+    assert PATCH.stats.snapshot()["hits"] == {path: dsa_layers}
     ref, got = logits["stock"], logits["fast"]
 
     def log_softmax(x):
@@ -140,7 +151,7 @@ def test_through_the_registry():
         attn = dsa_layer()
         q, latent, topk = attend_inputs(attn, 1, 20, 80)
         attn._attend(q, latent, latent, topk, KVCache(), None)
-        assert PATCH.stats.snapshot()["hits"] == {"prefill": 1}
+        assert PATCH.stats.snapshot()["hits"] == {"prefill (dense)": 1}
     finally:
         registry.revert([NAME])
     assert Glm5NextAttention.__dict__["_attend"] is STOCK
@@ -160,7 +171,7 @@ def test_composes_with_dsa_decode():
         cache = lm.make_cache()
         lm(prompt, cache=cache)
         lm(token, cache=cache)
-        assert PATCH.stats.snapshot()["hits"]["prefill"] > 0 and DSA.stats.snapshot()["hits"]["attend"] > 0
+        assert PATCH.stats.snapshot()["hits"]["prefill (dense)"] > 0 and DSA.stats.snapshot()["hits"]["attend"] > 0
     finally:
         registry.revert([NAME, "dsa_decode"])
     assert Glm5NextAttention.__dict__["_attend"] is STOCK
