@@ -199,3 +199,21 @@ def verify_gpu_kernel(patch, check_kernel, owner, make_call, switch, attr="__cal
     if not on_gpu:
         tally.notes.append("no GPU backend: the patch steps aside (stock code)")
     return tally.result(time.perf_counter() - start)
+
+
+def logit_gate(reference, other, tie=1e-3):
+    """Teacher-forced closeness of ``other``'s logits to ``reference``'s (numpy, [..., vocab]), the
+    figures a numerics-changing patch's gate asserts: KL(reference || other) mean and max over the
+    positions, top-1 agreement, the share of positions whose top two reference logits are more than
+    ``tie`` apart ("clear"), and whether the top-1 agrees on every clear position."""
+    def log_softmax(v):
+        v = v - v.max(-1, keepdims=True)
+        return v - np.log(np.exp(v).sum(-1, keepdims=True))
+
+    p, q = log_softmax(np.asarray(reference, np.float64)), log_softmax(np.asarray(other, np.float64))
+    kl = (np.exp(p) * (p - q)).sum(-1)
+    top = np.sort(reference, -1)
+    clear = (top[..., -1] - top[..., -2]) > tie
+    same = reference.argmax(-1) == other.argmax(-1)
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1": int(same.sum()),
+            "positions": int(same.size), "clear": float(clear.mean()), "top1_on_clear": bool(same[clear].all())}

@@ -80,9 +80,10 @@ def main():
                 times[k].append(timed(fn))
         ref, got = glu(x, indices), batched.BatchedExperts(glu)(x, indices)
         diff = float(mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item())
-        results[n] = {"rows": rows, "max_abs_diff_vs_stock": diff,
+        nans = {"stock": int(mx.isnan(ref).sum().item()), "batched": int(mx.isnan(got).sum().item())}
+        results[n] = {"rows": rows, "max_abs_diff_vs_stock": diff, "nan_count": nans,
                       "ms": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in times.items()}}
-        print(f"{n} experts, busiest {rows} rows of a mean {TOKENS * TOP_K / n:.0f}; max |diff| vs stock {diff:.3g}")
+        print(f"{n} experts, busiest {rows} rows of a mean {TOKENS * TOP_K / n:.0f}; max |diff| vs stock {diff:.3g}; NaNs {nans}")
         for k, v in times.items():
             print(f"  {statistics.median(v):8.2f} ms [{min(v):.2f}-{max(v):.2f}]  {k}", flush=True)
         if a.out:

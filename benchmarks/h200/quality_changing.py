@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 import glm53_patches
-from glm53_patches.exactness import _served_dtype
+from glm53_patches.exactness import _served_dtype, logit_gate
 from glm53_patches.tiny_model import build_model
 
 ARMS = (["kda_prefill_kernel"], ["latent_prefill"], ["batched_experts"],
@@ -22,11 +22,6 @@ ARMS = (["kda_prefill_kernel"], ["latent_prefill"], ["batched_experts"],
 
 def f64(a):
     return np.array(a.astype(mx.float32)).astype(np.float64)
-
-
-def log_softmax(v):
-    v = v - v.max(-1, keepdims=True)
-    return v - np.log(np.exp(v).sum(-1, keepdims=True))
 
 
 def main():
@@ -47,10 +42,7 @@ def main():
             glm53_patches.enable(names, strict=True)
             got = f64(lm(tokens, cache=lm.make_cache()).logits)
             glm53_patches.disable(names)
-            lp, lq = log_softmax(ref), log_softmax(got)
-            kl = (np.exp(lp) * (lp - lq)).sum(-1)
-            row = {"model": label, "patches": "+".join(names), "kl_mean": kl.mean(), "kl_max": kl.max(),
-                   "top1": int((ref.argmax(-1) == got.argmax(-1)).sum()), "positions": kl.size,
+            row = {"model": label, "patches": "+".join(names), **logit_gate(ref, got),
                    "max_abs_diff": float(np.abs(ref - got).max()), "logit_scale": float(np.abs(ref).max())}
             results.append(row)
             print(json.dumps(row), flush=True)

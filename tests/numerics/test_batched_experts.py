@@ -11,7 +11,7 @@ import pytest
 
 import glm53_patches
 from glm53_patches.bench.synthetic import cache_arrays
-from glm53_patches.exactness import same_bits
+from glm53_patches.exactness import logit_gate, same_bits
 from glm53_patches.patches.batched_experts import PATCH, experts
 from glm53_patches.tiny_model import build_model, greedy_logits
 from mlx_vlm.models.switch_layers import MoE, SwitchGLU
@@ -63,17 +63,10 @@ def test_tiny_model_teacher_forced_quality(applied, quantize_bits):
     got = f64(lm(tokens, cache=lm.make_cache()).logits)
     assert PATCH.stats.snapshot()["hits"] == {"batched": moe_layers(lm)}
 
-    def log_softmax(v):
-        v = v - v.max(-1, keepdims=True)
-        return v - np.log(np.exp(v).sum(-1, keepdims=True))
-
-    p, q = log_softmax(ref), log_softmax(got)
-    kl = (np.exp(p) * (p - q)).sum(-1)
-    assert kl.mean() < 1e-10 and kl.max() < 1e-9, (kl.mean(), kl.max())
-    top = np.sort(ref, -1)
-    clear = (top[..., -1] - top[..., -2]) > 1e-3  # positions without a near-tie in stock
-    assert clear.mean() > 0.95
-    assert np.array_equal(ref.argmax(-1)[clear], got.argmax(-1)[clear])
+    gate = logit_gate(ref, got)
+    # Measured (CPU): KL 0 and 600/600 top-1 (bit-identical here), fp32 and 4-bit.
+    assert gate["kl_mean"] < 1e-10 and gate["kl_max"] < 1e-9, gate
+    assert gate["clear"] > 0.95 and gate["top1_on_clear"], gate  # top-1 off stock's near-ties
 
 
 def test_decode_after_a_batched_prefill(applied):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from glm53_patches import registry
+from glm53_patches.exactness import logit_gate
 from glm53_patches.patches.gathered_prefill.checks.verify import indexer_like
 from glm53_patches.patches.latent_prefill import PATCH, attend
 from glm53_patches.tiny_model import build_model
@@ -111,20 +112,10 @@ def test_tiny_model_teacher_forced_quality(fast, path, quantize_bits):
         logits[arm] = f64(lm(tokens, cache=lm.make_cache()).logits)
     dsa_layers = sum(not l.is_linear for l in lm.model.layers)
     assert PATCH.stats.snapshot()["hits"] == {path: dsa_layers}
-    ref, got = logits["stock"], logits["fast"]
-
-    def log_softmax(x):
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    p, q = log_softmax(ref), log_softmax(got)
-    kl = (np.exp(p) * (p - q)).sum(-1)
-    # Measured (CPU): KL mean 3.2e-13, max 1.5e-12 (fp32); 3.2e-13 / 1.2e-12 (4-bit).
-    assert kl.mean() < 1e-10 and kl.max() < 1e-9, (kl.mean(), kl.max())
-    top = np.sort(ref, -1)
-    clear = (top[..., -1] - top[..., -2]) > 1e-3  # positions without a near-tie in stock
-    assert clear.mean() > 0.95
-    assert np.array_equal(ref.argmax(-1)[clear], got.argmax(-1)[clear])
+    gate = logit_gate(logits["stock"], logits["fast"])
+    # Measured (CPU): KL mean 3.2e-13, max 1.5e-12 (fp32); 3.2e-13 / 1.2e-12 (4-bit), either path.
+    assert gate["kl_mean"] < 1e-10 and gate["kl_max"] < 1e-9, gate
+    assert gate["clear"] > 0.95 and gate["top1_on_clear"], gate  # top-1 off stock's near-ties
 
 
 def test_decode_after_patched_prefill(fast):

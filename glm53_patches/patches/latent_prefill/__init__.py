@@ -15,7 +15,8 @@ PATCH = Patch(
         "Off Metal, prefill of the DSA layers attends each query over its selected latent "
         "rows with the absorbed query, as stock decode does (heads share the gathered rows), "
         "instead of projecting per-head keys and values and gathering them per head, 16 "
-        "queries at a time. Same math, other rounding: numerics-changing, quality-gated."
+        "queries at a time; up to 16 keys per selected slot, over every latent row with the "
+        "selection as a mask. Same math, other rounding: numerics-changing, quality-gated."
     ),
     targets={f"{GLM5_NEXT}:Glm5NextAttention._attend": lazy(f"{__name__}.attend", "make_attend")},
     relies_on=(

@@ -38,7 +38,10 @@ Adds `mlx_vlm/models/glm5_next/latent_prefill.py`. With the switch on,
 prefill of the DSA layers off Metal attends each query over its selected
 latent rows with the absorbed query, as decode already does (the heads share
 the gathered rows), instead of projecting per-head keys and values and
-gathering them per head, 16 queries at a time.
+gathering them per head, 16 queries at a time. While the cache holds at
+most 16 keys per selected slot, each block of queries attends over every
+latent row with the selection as a boolean mask (two batched matmuls, no
+per-query gather); beyond that, over its gathered rows.
 
 The same attention, rounded differently, so not bit-identical: on the CPU a
 tiny model's teacher-forced logits differ from the current code's by a KL of
