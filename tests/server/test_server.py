@@ -96,3 +96,16 @@ def test_dequantized_experts_serves_prefill_exactly_like_stock(server_factory, t
     assert patched_answers == stock_answers
     stats = report["patches"]["dequantized_experts"]["stats"]
     assert stats["hits"].get("dequantized", 0) > 0 and stats["fallbacks"].get("not a prefill chunk", 0) > 0
+
+
+def test_batched_experts_serves_like_stock_on_the_cpu(server_factory, tiny_q4_dir):
+    """batched_experts (numerics-changing, but bit-identical on the CPU, PATCH.md): the server's
+    answers are stock's, the prefill blocks were batched and decode stayed stock's."""
+    with server_factory(tiny_q4_dir) as stock:
+        stock_answers = _answers(stock)
+    with server_factory(tiny_q4_dir, env={"GLM53_PATCH_BATCHED_EXPERTS": "1"}) as patched:
+        patched_answers = _answers(patched)
+        report = patched.published(("batched_experts",))
+    assert patched_answers == stock_answers
+    stats = report["patches"]["batched_experts"]["stats"]
+    assert stats["hits"].get("batched", 0) > 0 and stats["fallbacks"].get("not a prefill chunk", 0) > 0
