@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 import glm53_patches
+from glm53_patches.backend import current
 from glm53_patches.exactness import _served_dtype, logit_gate
 from glm53_patches.tiny_model import build_model
 
@@ -29,8 +30,6 @@ def main():
     p.add_argument("--out")
     a = p.parse_args()
     results = []
-    from glm53_patches.backend import current
-
     models = (("fp32", None),) + ((("bf16", mx.bfloat16),) if current() != "cpu" else ())  # CPU: no bf16 gather_mm
     for label, dtype in models:
         model = build_model(seed=0)
