@@ -38,6 +38,16 @@ def current() -> str:
     return gpu_backend() or "cpu"
 
 
+def sorted_gather_mm_overflows(backend: str, experts: int, out: int, inp: int, itemsize: int) -> bool:
+    """Whether MLX's CUDA ``gather_mm`` over sorted routes would return garbage for
+    ``[experts, out, inp]`` weights of ``itemsize`` bytes. Its grouped GEMM (the M = 1 sorted
+    path, ``grouped_gemm_unaligned.cu`` in MLX 0.32) offsets expert g's weights by
+    ``g * itemsize * out * inp`` in 32-bit ints: past 2**31 it reads before the weights.
+    GLM-5.3-Flash's 288 bf16 experts of 2048 x 4096 wrap at expert 128 (NaNs on the H200,
+    BENCHMARKS.md s25). Other backends compute the offsets in 64 bits."""
+    return backend == "cuda" and (experts - 1) * itemsize * out * inp >= 2**31
+
+
 def machine() -> dict:
     """What a bug report needs about this machine: OS, CPU or chip, Python, MLX's device, versions."""
     from importlib.metadata import PackageNotFoundError, version

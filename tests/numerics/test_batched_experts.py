@@ -146,3 +146,30 @@ def test_revert_restores_the_original_object():
     assert MoE.__dict__["__call__"] is not STOCK
     glm53_patches.disable([PATCH.name])
     assert MoE.__dict__["__call__"] is STOCK
+
+
+def test_uneven_routing_keeps_stock_experts_where_cuda_gather_mm_would_overflow(applied, monkeypatch):
+    """With GLM-5.3-Flash's 288 experts, CUDA's sorted gather_mm overflows (backend.py): uneven
+    routes then take stock's SwitchGLU itself (gather_qmm on quantized experts), bit for bit.
+    The tiny model cannot overflow, so the predicate is forced true."""
+    from mlx_vlm.models.switch_layers import QuantizedSwitchLinear
+
+    lm = build_model(seed=3, quantize_bits=4).language_model
+    prompt = mx.array([[(5 * i + 2) % 500 for i in range(70)]])
+    glm53_patches.disable([PATCH.name])
+    ref = greedy_logits(lm, prompt, 2)
+    glm53_patches.enable([PATCH.name], strict=True)
+    monkeypatch.setattr(experts, "MAX_PADDING", 0)
+    monkeypatch.setattr(experts, "sorted_gather_mm_overflows", lambda *args: True)
+    stock_qmm, sorted_calls = QuantizedSwitchLinear.__call__, []
+
+    def counted(self, x, indices, sorted_indices=False):
+        sorted_calls.append(sorted_indices)
+        return stock_qmm(self, x, indices, sorted_indices)
+
+    monkeypatch.setattr(QuantizedSwitchLinear, "__call__", counted)
+    got = greedy_logits(lm, prompt, 2)
+    assert all(same_bits(a, b) for a, b in zip(ref, got))
+    assert sorted_calls.count(True) == 3 * moe_layers(lm)  # the prefill's three projections per block
+    assert PATCH.stats.snapshot()["fallbacks"]["routing too uneven to pad (stock's experts: CUDA's gather_mm would overflow)"] \
+        == moe_layers(lm)

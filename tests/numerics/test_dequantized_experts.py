@@ -168,3 +168,29 @@ def test_the_gpu_verify_model_is_wide_and_exact_here():
                         variants=[("4-bit", 4, None)], config=gpu_widths())
     result = tally.result(0.0)
     assert result["exact"] and result["cases"] == 2 and hits() > before, result
+
+
+def test_steps_aside_where_cuda_sorted_gather_mm_would_overflow(fast_path, monkeypatch):
+    """GLM-5.3-Flash's 288 bf16 experts overflow CUDA's sorted gather_mm (backend.py): there the
+    block must keep stock's gather_qmm. The tiny model cannot overflow, so the predicate is forced
+    true here and checked against real shapes in tests/unit/test_backend.py."""
+    lm = build_model(quantize_bits=4, seed=3).language_model
+    ref = greedy_logits(lm, PROMPT, 2)
+    seen = []
+
+    def overflows(backend, experts_, out, inp, itemsize):
+        seen.append((experts_, out, inp, itemsize))
+        return True
+
+    monkeypatch.setattr(experts, "sorted_gather_mm_overflows", overflows)
+    glm53_patches.enable([PATCH.name], strict=True)
+    before, hits_before = PATCH.stats.snapshot()["fallbacks"].get(REASON, 0), hits()
+    got = greedy_logits(lm, PROMPT, 2)
+    assert all(same_bits(a, b) for a, b in zip(ref, got))
+    assert hits() == hits_before
+    assert PATCH.stats.snapshot()["fallbacks"][REASON] > before
+    glu = lm.model.layers[-1].mlp.switch_mlp
+    assert (glu.up_proj.num_experts, glu.up_proj.output_dims, glu.up_proj.input_dims, 4) in seen  # fp32 scales
+
+
+REASON = "too many experts for CUDA's sorted gather_mm (32-bit weight offsets)"

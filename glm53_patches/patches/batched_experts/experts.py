@@ -21,7 +21,7 @@ from mlx_vlm.models import linear as _linear
 from mlx_vlm.models.glm5_next import language as _lang
 from mlx_vlm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
-from glm53_patches.backend import current as backend
+from glm53_patches.backend import current as backend, sorted_gather_mm_overflows
 
 from . import PATCH
 
@@ -90,8 +90,7 @@ class BatchedExperts:
         counts = mx.zeros((experts,), dtype=mx.int32).at[routes].add(1)
         rows = counts.max().item()  # one host sync per block: the padded shape depends on it
         if rows * experts > MAX_PADDING * routes.size:
-            stats.fallback("routing too uneven to pad")
-            return plain(self.glu)(x, indices)  # stock's routed outputs, combined by MoE.__call__ as stock does
+            return self.uneven(x, indices)  # stock's routed outputs, combined by MoE.__call__ as stock does
         # The sorted routes fill each expert's block of `rows` rows in order; padded row p
         # takes token `source[p]`, or the zero row `tokens` where p is padding. Rows move
         # by gathers (the scatters are of indices only): 3.3 ms for the block against 3.9
@@ -110,6 +109,16 @@ class BatchedExperts:
         out = (activated @ down).reshape(experts * rows, hidden)
         stats.hit("batched")
         return out[slot].reshape(batch, length, top_k, hidden)
+
+    def uneven(self, x, indices):
+        """Routes too uneven to pad: stock's sorted ``gather_mm`` over the dequantized weights, or
+        stock's own ``SwitchGLU`` where CUDA's sorted ``gather_mm`` would overflow (``backend.py``)."""
+        if any(sorted_gather_mm_overflows(backend(), p.num_experts, p.output_dims, p.input_dims, x.dtype.size)
+               for p in (getattr(self.glu, name) for name in PROJECTIONS)):
+            stats.fallback("routing too uneven to pad (stock's experts: CUDA's gather_mm would overflow)")
+            return self.glu(x, indices)
+        stats.fallback("routing too uneven to pad")
+        return plain(self.glu)(x, indices)
 
 
 def batching_copy(self, x):

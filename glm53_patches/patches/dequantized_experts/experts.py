@@ -20,7 +20,7 @@ from mlx_vlm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switc
 
 from glm53_patches import config
 from glm53_patches.kernel_switch import KernelSwitch
-from glm53_patches.backend import current as backend
+from glm53_patches.backend import current as backend, sorted_gather_mm_overflows
 
 from . import PATCH
 
@@ -67,6 +67,8 @@ def unsupported(moe, x):
             return "weights not affine-quantized"
         if p["scales"].dtype != x.dtype:
             return "activation dtype differs from the weights' scales"  # gather_mm would promote
+        if sorted_gather_mm_overflows(backend(), p.num_experts, p.output_dims, p.input_dims, x.dtype.size):
+            return "too many experts for CUDA's sorted gather_mm (32-bit weight offsets)"
     if x.dtype == mx.bfloat16 and backend() == "cpu":
         return "bf16 gather_mm has no CPU kernel"
     return None
