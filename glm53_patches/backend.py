@@ -38,14 +38,17 @@ def current() -> str:
     return gpu_backend() or "cpu"
 
 
-def sorted_gather_mm_overflows(backend: str, experts: int, out: int, inp: int, itemsize: int) -> bool:
-    """Whether MLX's CUDA ``gather_mm`` over sorted routes would return garbage for
-    ``[experts, out, inp]`` weights of ``itemsize`` bytes. Its grouped GEMM (the M = 1 sorted
-    path, ``grouped_gemm_unaligned.cu`` in MLX 0.32) offsets expert g's weights by
-    ``g * itemsize * out * inp`` in 32-bit ints: past 2**31 it reads before the weights.
-    GLM-5.3-Flash's 288 bf16 experts of 2048 x 4096 wrap at expert 128 (NaNs on the H200,
-    BENCHMARKS.md s25). Other backends compute the offsets in 64 bits."""
-    return backend == "cuda" and (experts - 1) * itemsize * out * inp >= 2**31
+def sorted_gather_mm_max_experts(backend: str, out: int, inp: int, itemsize: int) -> Optional[int]:
+    """How many experts of ``[out, inp]`` weights (``itemsize`` bytes each) one ``gather_mm`` over
+    sorted routes may take on ``backend`` (None: no limit known). MLX 0.32's CUDA grouped GEMM
+    (the sorted path at one row per route, ``grouped_gemm_unaligned.cu``) offsets expert g's
+    weights by ``g * itemsize * out * inp`` in 32-bit ints: from 2**31 bytes on it reads before
+    the weights. GLM-5.3-Flash's 288 bf16 experts of 2048 x 4096 wrap at expert 128 (NaNs on the
+    H200, BENCHMARKS.md s25). The CPU computes offsets in 64 bits; Metal's are unchecked here
+    (dequantized_experts' ``verify`` runs a 288-expert case on a GPU)."""
+    if backend != "cuda":
+        return None
+    return (2**31 - 1) // (itemsize * out * inp) + 1
 
 
 def machine() -> dict:

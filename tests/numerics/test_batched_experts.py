@@ -160,7 +160,7 @@ def test_uneven_routing_keeps_stock_experts_where_cuda_gather_mm_would_overflow(
     ref = greedy_logits(lm, prompt, 2)
     glm53_patches.enable([PATCH.name], strict=True)
     monkeypatch.setattr(experts, "MAX_PADDING", 0)
-    monkeypatch.setattr(experts, "sorted_gather_mm_overflows", lambda *args: True)
+    monkeypatch.setattr(experts, "sorted_gather_mm_max_experts", lambda *args: 3)  # of its 8
     stock_qmm, sorted_calls = QuantizedSwitchLinear.__call__, []
 
     def counted(self, x, indices, sorted_indices=False):

@@ -170,27 +170,25 @@ def test_the_gpu_verify_model_is_wide_and_exact_here():
     assert result["exact"] and result["cases"] == 2 and hits() > before, result
 
 
-def test_steps_aside_where_cuda_sorted_gather_mm_would_overflow(fast_path, monkeypatch):
-    """GLM-5.3-Flash's 288 bf16 experts overflow CUDA's sorted gather_mm (backend.py): there the
-    block must keep stock's gather_qmm. The tiny model cannot overflow, so the predicate is forced
-    true here and checked against real shapes in tests/unit/test_backend.py."""
+def test_split_where_cuda_sorted_gather_mm_would_overflow(fast_path, monkeypatch):
+    """GLM-5.3-Flash's 288 bf16 experts overflow CUDA's sorted gather_mm (backend.py): there each
+    projection runs as several sorted gather_mm calls of fewer experts. The tiny model cannot
+    overflow, so the limit is forced to 5 of its 8 experts; the model must stay bit for bit."""
     lm = build_model(quantize_bits=4, seed=3).language_model
-    ref = greedy_logits(lm, PROMPT, 2)
-    seen = []
+    ref, ref_cache = run(lm, PROMPT, 4)
+    asked = []
 
-    def overflows(backend, experts_, out, inp, itemsize):
-        seen.append((experts_, out, inp, itemsize))
-        return True
+    def five(backend, out, inp, itemsize):  # calls of 5 and 3: MLX's CPU gather wraps an index past a
+        asked.append((out, inp, itemsize))  # slice, which would hide a wrong offset in equal calls
+        return 5
 
-    monkeypatch.setattr(experts, "sorted_gather_mm_overflows", overflows)
+    monkeypatch.setattr(experts, "sorted_gather_mm_max_experts", five)
     glm53_patches.enable([PATCH.name], strict=True)
-    before, hits_before = PATCH.stats.snapshot()["fallbacks"].get(REASON, 0), hits()
-    got = greedy_logits(lm, PROMPT, 2)
-    assert all(same_bits(a, b) for a, b in zip(ref, got))
-    assert hits() == hits_before
-    assert PATCH.stats.snapshot()["fallbacks"][REASON] > before
+    split_before, hits_before = PATCH.stats.snapshot()["hits"].get("split calls", 0), hits()
+    got, got_cache = run(lm, PROMPT, 4)
+    assert all(same_bits(a, b) for a, b in zip(ref + ref_cache, got + got_cache))
+    layers = sum(kind == "sparse" for kind in lm.model.config.mlp_layer_types)
+    assert hits() - hits_before == layers
+    assert PATCH.stats.snapshot()["hits"]["split calls"] - split_before == 3 * layers  # up, gate, down
     glu = lm.model.layers[-1].mlp.switch_mlp
-    assert (glu.up_proj.num_experts, glu.up_proj.output_dims, glu.up_proj.input_dims, 4) in seen  # fp32 scales
-
-
-REASON = "too many experts for CUDA's sorted gather_mm (32-bit weight offsets)"
+    assert (glu.up_proj.output_dims, glu.up_proj.input_dims, 4) in asked  # fp32 dequantized weights

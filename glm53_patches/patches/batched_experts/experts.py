@@ -21,7 +21,7 @@ from mlx_vlm.models import linear as _linear
 from mlx_vlm.models.glm5_next import language as _lang
 from mlx_vlm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
-from glm53_patches.backend import current as backend, sorted_gather_mm_overflows
+from glm53_patches.backend import current as backend, sorted_gather_mm_max_experts
 
 from . import PATCH
 
@@ -113,8 +113,9 @@ class BatchedExperts:
     def uneven(self, x, indices):
         """Routes too uneven to pad: stock's sorted ``gather_mm`` over the dequantized weights, or
         stock's own ``SwitchGLU`` where CUDA's sorted ``gather_mm`` would overflow (``backend.py``)."""
-        if any(sorted_gather_mm_overflows(backend(), p.num_experts, p.output_dims, p.input_dims, x.dtype.size)
-               for p in (getattr(self.glu, name) for name in PROJECTIONS)):
+        limits = (sorted_gather_mm_max_experts(backend(), p.output_dims, p.input_dims, x.dtype.size)
+                  for p in (getattr(self.glu, name) for name in PROJECTIONS))
+        if any(limit is not None and self.glu.down_proj.num_experts > limit for limit in limits):
             stats.fallback("routing too uneven to pad (stock's experts: CUDA's gather_mm would overflow)")
             return self.glu(x, indices)
         stats.fallback("routing too uneven to pad")

@@ -20,7 +20,7 @@ from mlx_vlm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switc
 
 from glm53_patches import config
 from glm53_patches.kernel_switch import KernelSwitch
-from glm53_patches.backend import current as backend, sorted_gather_mm_overflows
+from glm53_patches.backend import current as backend, sorted_gather_mm_max_experts
 
 from . import PATCH
 
@@ -42,14 +42,45 @@ def min_tokens():
 
 
 def dequantized(projection):
-    """Stock's ``SwitchLinear`` over ``projection``'s weights, dequantized (lazily, for one call)."""
-    plain = SwitchLinear.__new__(SwitchLinear)
+    """Stock's ``SwitchLinear`` over ``projection``'s weights, dequantized (lazily, for one call);
+    a ``SplitSwitchLinear`` where one sorted ``gather_mm`` cannot take all the experts."""
+    weight = mx.dequantize(projection["weight"], projection["scales"], projection.get("biases"),
+                           group_size=projection.group_size, bits=projection.bits)  # affine only
+    limit = sorted_gather_mm_max_experts(backend(), projection.output_dims, projection.input_dims, weight.dtype.size)
+    split = limit is not None and projection.num_experts > limit
+    plain = SwitchLinear.__new__(SplitSwitchLinear if split else SwitchLinear)
     nn.Module.__init__(plain)
-    plain.weight = mx.dequantize(projection["weight"], projection["scales"], projection.get("biases"),
-                                 group_size=projection.group_size, bits=projection.bits)  # affine only
+    plain.weight = weight
+    if split:
+        plain.experts_per_call = limit
     if "bias" in projection:
         plain.bias = projection["bias"]
     return plain
+
+
+class SplitSwitchLinear(SwitchLinear):
+    """Stock's ``SwitchLinear``, its sorted ``gather_mm`` split into calls of at most
+    ``experts_per_call`` experts, each over its own contiguous rows: CUDA's sorted
+    ``gather_mm`` wraps past 2**31 bytes of weights (``backend.py``). Each row meets the
+    same kernel, weights and K order as in one call; ``verify`` checks that at 288 experts."""
+
+    def __call__(self, x, indices, sorted_indices=False):
+        if not sorted_indices:  # unsorted routes take gather_mv, whose offsets are 64-bit
+            return super().__call__(x, indices, sorted_indices)
+        experts = self.weight.shape[0]
+        ends = mx.cumsum(mx.zeros((experts,), dtype=mx.int32).at[indices.astype(mx.int32)].add(1)).tolist()
+        parts = []
+        for lo in range(0, experts, self.experts_per_call):  # one host sync above: the rows of each call
+            hi = min(lo + self.experts_per_call, experts)
+            first, last = ends[lo - 1] if lo else 0, ends[hi - 1]
+            if last > first:
+                parts.append(mx.gather_mm(x[first:last], self.weight[lo:hi].swapaxes(-1, -2),
+                                          rhs_indices=indices[first:last] - lo, sorted_indices=True))
+        stats.hit("split calls")
+        out = mx.concatenate(parts)
+        if "bias" in self:
+            out = out + mx.expand_dims(self["bias"][indices], -2)
+        return out
 
 
 def unsupported(moe, x):
@@ -67,8 +98,6 @@ def unsupported(moe, x):
             return "weights not affine-quantized"
         if p["scales"].dtype != x.dtype:
             return "activation dtype differs from the weights' scales"  # gather_mm would promote
-        if sorted_gather_mm_overflows(backend(), p.num_experts, p.output_dims, p.input_dims, x.dtype.size):
-            return "too many experts for CUDA's sorted gather_mm (32-bit weight offsets)"
     if x.dtype == mx.bfloat16 and backend() == "cpu":
         return "bf16 gather_mm has no CPU kernel"
     return None

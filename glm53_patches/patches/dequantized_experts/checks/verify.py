@@ -7,7 +7,9 @@
    projection shapes. GPU: GLM-5.3-Flash's widths (hidden 4096, expert
    width 2048, 64 experts, top 8), bf16. CPU: narrower, fp32 (MLX's CPU
    backend has no bf16 gather_mm).
-2. The tiny random-weight model, quantized (4- and 8-bit; bf16 on a GPU,
+2. GLM-5.3-Flash's 288 experts (GPU; CPU: 16) through ``dequantized`` as served
+   (on CUDA split, ``SplitSwitchLinear``), and split at 100 (CPU: 9) per call.
+3. The tiny random-weight model, quantized (4- and 8-bit; bf16 on a GPU,
    fp32 on the CPU), batch 1 and 2: prefill with the patch's threshold
    lowered so its 40-token prompt dequantizes, then 16 greedy steps;
    logits of every step bit for bit, and the dequantized path must have run.
@@ -57,6 +59,34 @@ def check_projections(tally, on_gpu):
                 tally.compare(f"{bits}-bit {experts}x{rows_out}x{rows_in}, {tokens} tokens", [expected], [got])
 
 
+def check_split(tally, on_gpu):
+    """GLM-5.3-Flash's 288 experts (GPU; 16 on the CPU), 4-bit, a 2,048-token chunk: what
+    ``dequantized`` returns there (on CUDA a ``SplitSwitchLinear``: one sorted gather_mm would
+    overflow), and the split forced (100 experts per call; CPU 9), against gather_qmm."""
+    from mlx_vlm.models.switch_layers import SwitchLinear
+
+    from ..experts import SplitSwitchLinear, dequantized
+
+    hidden, width, _, top_k, dtype = WIDTHS["gpu" if on_gpu else "cpu"]
+    experts = 288 if on_gpu else 16
+    key = iter(mx.random.split(mx.random.key(11), 8))
+    for rows_in, rows_out in ((hidden, width), (width, hidden)):
+        stock = SwitchLinear(rows_in, rows_out, experts).to_quantized(group_size=64, bits=4)
+        stock.update({k: v.astype(dtype) for k, v in stock.parameters().items() if k in ("scales", "biases")})
+        idx = mx.sort(mx.random.randint(0, experts, (2048 * top_k,), key=next(key)))
+        x = mx.random.normal((idx.size, 1, rows_in), key=next(key)).astype(dtype)
+        expected = stock(x, idx, sorted_indices=True)
+        served = dequantized(stock)
+        forced = dequantized(stock)
+        # A last call smaller than the others, starting off its own multiple: MLX's CPU gather
+        # wraps an index past the slice, which would hide a missing `- lo` in equal calls.
+        forced.__class__, forced.experts_per_call = SplitSwitchLinear, 100 if on_gpu else 9
+        name = f"4-bit {experts}x{rows_out}x{rows_in}, 2048 tokens"
+        tally.compare(f"{name} ({type(served).__name__})", [expected], [served(x, idx, sorted_indices=True)])
+        tally.compare(f"{name} (split by {forced.experts_per_call})", [expected], [forced(x, idx, sorted_indices=True)])
+        del stock, served, forced
+
+
 @contextlib.contextmanager
 def _forced_below_the_tiny_prompt():
     """The fast path on, with a threshold the tiny model's 40-token prompt passes."""
@@ -91,6 +121,7 @@ def verify():
     tally = Tally()
     before = PATCH.stats.snapshot()["hits"].get("dequantized", 0)
     check_projections(tally, on_gpu)
+    check_split(tally, on_gpu)
     check_tiny_models(tally, on_gpu)
     if PATCH.stats.snapshot()["hits"].get("dequantized", 0) == before:  # equal outputs prove nothing then
         tally.mismatches.append("the dequantized path never ran in the model check")
