@@ -4,6 +4,8 @@
 # run) and SITE (PYTHONPATH; default /root/site) may be set by the caller.
 # Collect with polls that first check `test -d /root/res || exit 3`: a poll that
 # comes after the machine's idle release lands on a fresh, bare machine.
+# Better, where a plan fits in one call (600 s): run it in the foreground and tar
+# /root/res to $OUT in the same call. Nothing is then lost to a late poll (s24).
 set -u
 START=$(date +%s)
 ROOT=${ROOT:-/root}
