@@ -113,11 +113,11 @@ class BatchedExperts:
     def uneven(self, x, indices):
         """Routes too uneven to pad: stock's sorted ``gather_mm`` over the dequantized weights, or
         stock's own ``SwitchGLU`` where CUDA's sorted ``gather_mm`` would overflow (``backend.py``)."""
-        limits = (sorted_gather_mm_max_experts(backend(), p.output_dims, p.input_dims, x.dtype.size)
-                  for p in (getattr(self.glu, name) for name in PROJECTIONS))
-        if any(limit is not None and self.glu.down_proj.num_experts > limit for limit in limits):
-            stats.fallback("routing too uneven to pad (stock's experts: CUDA's gather_mm would overflow)")
-            return self.glu(x, indices)
+        for p in (getattr(self.glu, name) for name in PROJECTIONS):
+            limit = sorted_gather_mm_max_experts(backend(), p.output_dims, p.input_dims, x.dtype.size)
+            if limit is not None and p.num_experts > limit:
+                stats.fallback("routing too uneven to pad (stock's experts: CUDA's gather_mm would overflow)")
+                return self.glu(x, indices)
         stats.fallback("routing too uneven to pad")
         return plain(self.glu)(x, indices)
 
