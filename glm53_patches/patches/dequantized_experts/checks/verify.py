@@ -20,6 +20,7 @@ import contextlib
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from glm53_patches.exactness import Tally, compare_tiny_models
 from glm53_patches.registry import backend
@@ -59,20 +60,35 @@ def check_projections(tally, on_gpu):
                 tally.compare(f"{bits}-bit {experts}x{rows_out}x{rows_in}, {tokens} tokens", [expected], [got])
 
 
+def quantized_experts(experts, rows_in, rows_out, dtype, key):
+    """Stock's 4-bit ``QuantizedSwitchLinear`` over random weights, quantized 32 experts at a
+    time: its own initializer draws all of them in float32 first (9.7 GB at 288 experts)."""
+    from mlx_vlm.models.switch_layers import QuantizedSwitchLinear
+
+    bound, parts, starts = rows_in ** -0.5, [], range(0, experts, 32)
+    for start, part_key in zip(starts, mx.random.split(key, len(starts))):
+        w = mx.random.uniform(-bound, bound, (min(32, experts - start), rows_out, rows_in), key=part_key)
+        parts.append(mx.quantize(w, group_size=64, bits=4))
+        mx.eval(parts[-1])
+    linear = QuantizedSwitchLinear.__new__(QuantizedSwitchLinear)
+    nn.Module.__init__(linear)
+    linear.weight, linear.scales, linear.biases = (mx.concatenate(p) for p in zip(*parts))
+    linear.scales, linear.biases = linear.scales.astype(dtype), linear.biases.astype(dtype)
+    linear.group_size, linear.bits, linear.mode = 64, 4, "affine"
+    return linear
+
+
 def check_split(tally, on_gpu):
     """GLM-5.3-Flash's 288 experts (GPU; 16 on the CPU), 4-bit, a 2,048-token chunk: what
     ``dequantized`` returns there (on CUDA a ``SplitSwitchLinear``: one sorted gather_mm would
     overflow), and the split forced (100 experts per call; CPU 9), against gather_qmm."""
-    from mlx_vlm.models.switch_layers import SwitchLinear
-
     from ..experts import SplitSwitchLinear, dequantized
 
     hidden, width, _, top_k, dtype = WIDTHS["gpu" if on_gpu else "cpu"]
     experts = 288 if on_gpu else 16
     key = iter(mx.random.split(mx.random.key(11), 8))
     for rows_in, rows_out in ((hidden, width), (width, hidden)):
-        stock = SwitchLinear(rows_in, rows_out, experts).to_quantized(group_size=64, bits=4)
-        stock.update({k: v.astype(dtype) for k, v in stock.parameters().items() if k in ("scales", "biases")})
+        stock = quantized_experts(experts, rows_in, rows_out, dtype, next(key))
         idx = mx.sort(mx.random.randint(0, experts, (2048 * top_k,), key=next(key)))
         x = mx.random.normal((idx.size, 1, rows_in), key=next(key)).astype(dtype)
         expected = stock(x, idx, sorted_indices=True)
