@@ -6,7 +6,7 @@ server process started with the caller's environment (GLM53_PATCHES=all
 here), real HTTP requests that cover a full prefill chunk and a partial
 one, a streamed and concurrent requests, the server stopped, the cache
 filled, nothing else left behind; and a second run that adds nothing to the
-cache. What the cache saves a CUDA server is measured on the H200
+cache (one request at a time: concurrent ones batch by arrival, which varies). What the cache saves a CUDA server is measured on the H200
 (BENCHMARKS.md).
 """
 
@@ -37,8 +37,11 @@ def _warmup(model, tmp_path, *extra, env_extra=None):
 
 
 def test_warmup_runs_the_server_through_its_first_requests_and_again(tiny_q4_dir, tmp_path):
-    for attempt in (1, 2):
-        done = _warmup(tiny_q4_dir, tmp_path)
+    # Runs 1 and 2 send one request at a time, so their shapes are the same and run 2 must add no
+    # kernel. Run 3 sends the default 2 concurrent requests: whether they share a batch depends on
+    # when each reaches the server, so the kernels it adds vary (a CI run saw 16 once).
+    for attempt in (1, 2, 3):
+        done = _warmup(tiny_q4_dir, tmp_path, *(("--concurrent", "1") if attempt < 3 else ()))
         assert done.returncode == 0, done.stderr
         steps = re.findall(r"\] (\d)/6 ([^.]+) \.\.\. [\d.]+ s", done.stderr)
         assert [int(n) for n, _ in steps] == [1, 2, 3, 4, 5, 6], done.stderr
@@ -49,7 +52,8 @@ def test_warmup_runs_the_server_through_its_first_requests_and_again(tiny_q4_dir
         assert counted and Path(counted.group(1)) == cache, done.stdout
         files = len(list(cache.iterdir()))
         assert int(counted.group(2)) == files > 0
-        assert (int(counted.group(3)) > 0) if attempt == 1 else (int(counted.group(3)) == 0), done.stdout
+        if attempt < 3:
+            assert (int(counted.group(3)) > 0) if attempt == 1 else (int(counted.group(3)) == 0), done.stdout
         assert [p.name for p in (tmp_path / "tmp").iterdir()] == ["mlx"], attempt  # its server log folder is gone
     published = list((tmp_path / "state").glob("*.json"))  # the server ran with the caller's patches
     assert published and any(json.loads(p.read_text())["patches"].get("compiled_kda_decode", {}).get("state")
