@@ -151,7 +151,7 @@ def test_revert_restores_the_original_object():
 def test_uneven_routing_keeps_stock_experts_where_cuda_gather_mm_would_overflow(applied, monkeypatch):
     """With GLM-5.3-Flash's 288 experts, CUDA's sorted gather_mm overflows (backend.py): uneven
     routes then take stock's SwitchGLU itself (gather_qmm on quantized experts), bit for bit.
-    The tiny model cannot overflow, so the predicate is forced true."""
+    The tiny model cannot overflow, so the limit is forced to 3 of its 8 experts."""
     from mlx_vlm.models.switch_layers import QuantizedSwitchLinear
 
     lm = build_model(seed=3, quantize_bits=4).language_model

@@ -67,7 +67,7 @@ class SplitSwitchLinear(SwitchLinear):
     def __call__(self, x, indices, sorted_indices=False):
         if not sorted_indices:  # unsorted routes take gather_mv, whose offsets are 64-bit
             return super().__call__(x, indices, sorted_indices)
-        experts = self.weight.shape[0]
+        experts = self.num_experts
         ends = mx.cumsum(mx.zeros((experts,), dtype=mx.int32).at[indices.astype(mx.int32)].add(1)).tolist()
         parts = []
         for lo in range(0, experts, self.experts_per_call):  # one host sync above: the rows of each call

@@ -82,6 +82,8 @@ def check_split(tally, on_gpu):
     """GLM-5.3-Flash's 288 experts (GPU; 16 on the CPU), 4-bit, a 2,048-token chunk: what
     ``dequantized`` returns there (on CUDA a ``SplitSwitchLinear``: one sorted gather_mm would
     overflow), and the split forced (100 experts per call; CPU 9), against gather_qmm."""
+    from mlx_vlm.models.switch_layers import SwitchLinear
+
     from ..experts import SplitSwitchLinear, dequantized
 
     hidden, width, _, top_k, dtype = WIDTHS["gpu" if on_gpu else "cpu"]
@@ -93,10 +95,11 @@ def check_split(tally, on_gpu):
         x = mx.random.normal((idx.size, 1, rows_in), key=next(key)).astype(dtype)
         expected = stock(x, idx, sorted_indices=True)
         served = dequantized(stock)
-        forced = dequantized(stock)
+        forced = SwitchLinear.__new__(SplitSwitchLinear)  # over the same dequantized weight
+        nn.Module.__init__(forced)
         # A last call smaller than the others, starting off its own multiple: MLX's CPU gather
         # wraps an index past the slice, which would hide a missing `- lo` in equal calls.
-        forced.__class__, forced.experts_per_call = SplitSwitchLinear, 100 if on_gpu else 9
+        forced.weight, forced.experts_per_call = served.weight, 100 if on_gpu else 9
         name = f"4-bit {experts}x{rows_out}x{rows_in}, 2048 tokens"
         tally.compare(f"{name} ({type(served).__name__})", [expected], [served(x, idx, sorted_indices=True)])
         tally.compare(f"{name} (split by {forced.experts_per_call})", [expected], [forced(x, idx, sorted_indices=True)])
