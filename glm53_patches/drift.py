@@ -52,6 +52,13 @@ def _find(tree: ast.Module, qualname: str):
                 if any(isinstance(t, ast.Name) and t.id == part for t in targets):
                     scope = node
                     break
+            if isinstance(node, ast.ImportFrom) and scope is tree:
+                # A module-level name bound by an import (glm5_next's `linear`): the fingerprint is
+                # of where it comes from; the object itself is fingerprinted where it is defined.
+                alias = next((a for a in node.names if (a.asname or a.name) == part), None)
+                if alias is not None:
+                    scope = ast.ImportFrom(module=node.module, names=[alias], level=node.level)
+                    break
         else:
             return None
     return scope

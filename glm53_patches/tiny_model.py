@@ -227,8 +227,8 @@ def _quantize(model, bits):
 def _build(quantize_bits, seed, config_overrides):
     from mlx_vlm.models.glm5_next import Model, ModelConfig
 
-    if quantize_bits not in (None, 4, 8):
-        raise ValueError("quantize_bits must be None, 4 or 8")
+    if quantize_bits not in (None, 4, 6, 8):
+        raise ValueError("quantize_bits must be None, 4, 6 or 8")
     config = tiny_config(**config_overrides)
     model = Model(ModelConfig.from_dict(copy.deepcopy(config)))
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
@@ -252,7 +252,7 @@ def _build(quantize_bits, seed, config_overrides):
 def build_model(*, quantize_bits=None, seed=0, **config_overrides):
     """The tiny model in memory: mlx-vlm's glm5_next ``Model``, fp32 weights.
 
-    ``quantize_bits`` (4 or 8) quantizes in process the way ``convert`` does.
+    ``quantize_bits`` (4, 6 or 8) quantizes in process the way ``convert`` does.
     """
     return _build(quantize_bits, seed, config_overrides)[0]
 
@@ -348,7 +348,7 @@ def main(argv=None):
         description="Write a tiny random-weight glm5_next checkpoint.",
     )
     parser.add_argument("dir", help="output directory")
-    parser.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None)
+    parser.add_argument("--quantize-bits", type=int, choices=(4, 6, 8), default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     path = write_tiny_model(args.dir, quantize_bits=args.quantize_bits, seed=args.seed)

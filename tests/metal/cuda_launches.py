@@ -148,6 +148,17 @@ def _prefill():
             kernel_gated_delta(q, k, v, g, beta, None, mask)
 
 
+def _qmv():
+    from glm53_patches.patches.exact_qmv import kernel
+    from glm53_patches.patches.exact_qmv.checks.verify import OTHER, REAL
+
+    cases = [(n, k, bits, 64, mx.bfloat16, 1, {}) for _, n, k, bits in REAL] + [case[1:] for case in OTHER]
+    for n, k, bits, group, dtype, rows, launch in cases:
+        w = mx.zeros((n, k * bits // 32), mx.uint32)
+        scales = mx.zeros((n, k // group), dtype)
+        kernel.qmv(mx.zeros((rows, 1, k), dtype), w, scales, scales, bits, group, **launch)
+
+
 PATCHES = {
     "router_select": _router,
     "expert_combine": _combine,
@@ -156,6 +167,7 @@ PATCHES = {
     "dsa_decode": _dsa,
     "indexer_fp32": _indexer,
     "kda_prefill_kernel": _prefill,
+    "exact_qmv": _qmv,
 }
 
 

@@ -24,6 +24,13 @@ MAIN_4ED0234 = {
 }
 
 
+# exact_qmv's kernel as it passed `verify exact_qmv` on an H200 (s28, 40 cases, code digest
+# ffe3e56a0dcc), recorded from that code the same way. A change here needs that CUDA verify again.
+VERIFIED_S28 = {
+    "exact_qmv": "064737bd7a372faaeba7c0e36aa7c45c5a57e410a8c260fd373340c12bf6d983",
+}
+
+
 @pytest.fixture(scope="module")
 def digests():
     return cuda_launches.digests()
@@ -34,6 +41,11 @@ def test_cuda_launches_are_mains(digests, patch):
     assert digests[patch] == MAIN_4ED0234[patch], f"{patch}'s CUDA kernel text or launch differs from main's"
 
 
+@pytest.mark.parametrize("patch", sorted(VERIFIED_S28))
+def test_cuda_launches_are_the_verified_ones(digests, patch):
+    assert digests[patch] == VERIFIED_S28[patch], f"{patch}'s CUDA kernel text or launch differs from what the H200 verified"
+
+
 def test_every_cuda_kernel_is_recorded():
     """Each launch record follows its kernel's construction; no patch builds a CUDA kernel unrecorded."""
     import pathlib
@@ -42,7 +54,7 @@ def test_every_cuda_kernel_is_recorded():
 
     root = pathlib.Path(glm53_patches.__file__).parent
     users = {p.parent.name for p in root.rglob("*.py") if "mx.fast.cuda_kernel(" in p.read_text()}
-    assert users - {"kernels"} <= set(MAIN_4ED0234)  # kernels/: hc_sinkhorn, recorded as hc_decode
+    assert users - {"kernels"} <= set(MAIN_4ED0234) | set(VERIFIED_S28)  # kernels/: hc_sinkhorn, recorded as hc_decode
     for name, records in cuda_launches.records().items():
         built = [r["kernel"]["name"] for r in records if "kernel" in r]
         launched = {r["launch"] for r in records if "launch" in r}

@@ -56,6 +56,7 @@ COMPOSES = {
     "router_select": "traced in MoE layers",
     "expert_combine": "traced in MoE layers",
     "dsa_decode": "eager indexer, row gather",
+    "exact_qmv": "traced: the decode projections' matvec",
     "indexer_fp32": "eager indexer",
     "kda_prefill_kernel": "prefill",
     "exact_kda_prefill": "prefill (a decode step's single token goes to stock's loop)",
@@ -73,6 +74,7 @@ _SWITCHES = {
     "fused_kda_kernel": ("glm53_patches.patches.fused_kda_kernel.step", lambda m: m.switch.wanted),
     "router_select": ("glm53_patches.patches.router_select.gate", lambda m: m.switch.wanted),
     "expert_combine": ("glm53_patches.patches.expert_combine.combine", lambda m: m.switch.wanted),
+    "exact_qmv": ("glm53_patches.patches.exact_qmv.linear", lambda m: m.switch.wanted),
 }
 
 
