@@ -168,3 +168,19 @@ def test_verify_on_the_cpu():
     result = exact_qmv.PATCH.verify()
     assert result["exact"] and result["cases"] == 8, result["detail"]
     assert "steps aside" in result["detail"]
+
+
+@pytest.mark.parametrize("width", kernel.BITS)
+def test_mlx_packs_weights_as_the_kernel_unpacks_them(width):
+    """The kernel reads value i of a row at bits [i * width, (i + 1) * width) of its bytes, little-endian
+    (cutlass's arrays at 2, 4 and 8 bits, its own unpacking at 3, 5 and 6): MLX's quantize must pack so."""
+    import numpy as np
+
+    w = mx.random.normal((3, 256), key=mx.random.key(width))
+    packed, scales, biases = mx.quantize(w, group_size=64, bits=width)
+    expected = np.array(mx.dequantize(packed, scales, biases, group_size=64, bits=width))
+    stream = np.unpackbits(np.array(packed).view(np.uint8), axis=-1, bitorder="little")
+    values = stream.reshape(3, 256, width) @ (1 << np.arange(width))
+    assert values.max() < (1 << width)
+    rebuilt = values * np.repeat(np.array(scales), 64, -1) + np.repeat(np.array(biases), 64, -1)
+    np.testing.assert_allclose(rebuilt, expected, rtol=0, atol=1e-5)

@@ -64,3 +64,18 @@ def test_fields_a_newer_python_adds_empty_do_not_count():
     newer = newer_class(**{f: getattr(node, f) for f in ast.FunctionDef._fields}, type_params=[])
     assert ast.dump(newer) != ast.dump(node)
     assert drift._digest(newer) == drift._digest(node)
+
+
+def test_a_name_bound_by_an_import_is_fingerprinted_by_where_it_comes_from():
+    """glm5_next's `linear` is imported from ..linear: its fingerprint is the import (module, level,
+    name); a changed source or an alias counts, the other names of the same import do not."""
+    here = "from ..linear import DECODE_BLOCK_SIZE, linear, tiled_linear\n"
+    found = drift.fingerprint_source(here, "linear")
+    assert found is not None
+    assert drift.fingerprint_source("from ..linear import linear\n", "linear") == found
+    assert drift.fingerprint_source("from ..other import linear\n", "linear") != found
+    assert drift.fingerprint_source("from .linear import linear\n", "linear") != found
+    assert drift.fingerprint_source("from ..linear import dense as linear\n", "linear") != found
+    assert drift.fingerprint_source(here, "tiled_linear") not in (None, found)
+    assert drift.fingerprint_source("def f():\n    from ..linear import linear\n", "linear") is None  # module level only
+    assert drift.fingerprint_source(here, "linear.attr") is None

@@ -161,3 +161,13 @@ def test_main_writes_an_8bit_checkpoint(tmp_path, capsys):
     model, _ = load(str(tmp_path / "m"))
     assert model.language_model.lm_head.bits == 8
     assert json.loads((tmp_path / "m" / "config.json").read_text())["quantization"]["bits"] == 8
+
+
+def test_main_writes_a_6bit_checkpoint_and_refuses_other_widths(tmp_path):
+    """6 bits: the width exact_qmv takes (GLM-5.3-Flash's DSA, shared-expert, dense and lm_head projections)."""
+    assert main([str(tmp_path / "m"), "--quantize-bits", "6"]) == 0
+    model, _ = load(str(tmp_path / "m"))
+    assert model.language_model.lm_head.bits == 6
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["quantization"]["bits"] == 6
+    with pytest.raises(ValueError, match="quantize_bits must be None, 4, 6 or 8"):
+        write_tiny_model(tmp_path / "q5", quantize_bits=5)
