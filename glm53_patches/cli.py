@@ -289,7 +289,7 @@ def main(argv=None):
     inventory.add_parser(commands)
     tiny = commands.add_parser("tiny-model", help="write a small random-weight glm5_next checkpoint")
     tiny.add_argument("dir")
-    tiny.add_argument("--quantize-bits", type=int, choices=(4, 6, 8), default=None)
+    tiny.add_argument("--quantize-bits", type=int, choices=(4, 6, 8), default=None)  # tiny_model.QUANTIZE_BITS (it imports mlx)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--drafter", metavar="DRAFT_DIR",
                       help="also write a matching MTP drafter (--draft-model DRAFT_DIR --draft-kind mtp)")

@@ -28,6 +28,7 @@ SPECIAL_TOKENS = [
 ]
 TOKEN_ID = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
 VOCAB_SIZE = 512
+QUANTIZE_BITS = (4, 6, 8)  # what --quantize-bits takes: the widths GLM-5.3-Flash's projections use
 # Generation stops at end-of-text or when the model starts a new turn (as GLM).
 EOS_TOKEN_IDS = [TOKEN_ID[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
 
@@ -227,8 +228,8 @@ def _quantize(model, bits):
 def _build(quantize_bits, seed, config_overrides):
     from mlx_vlm.models.glm5_next import Model, ModelConfig
 
-    if quantize_bits not in (None, 4, 6, 8):
-        raise ValueError("quantize_bits must be None, 4, 6 or 8")
+    if quantize_bits is not None and quantize_bits not in QUANTIZE_BITS:
+        raise ValueError(f"quantize_bits must be None or one of {QUANTIZE_BITS}")
     config = tiny_config(**config_overrides)
     model = Model(ModelConfig.from_dict(copy.deepcopy(config)))
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
@@ -348,7 +349,7 @@ def main(argv=None):
         description="Write a tiny random-weight glm5_next checkpoint.",
     )
     parser.add_argument("dir", help="output directory")
-    parser.add_argument("--quantize-bits", type=int, choices=(4, 6, 8), default=None)
+    parser.add_argument("--quantize-bits", type=int, choices=QUANTIZE_BITS, default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     path = write_tiny_model(args.dir, quantize_bits=args.quantize_bits, seed=args.seed)
