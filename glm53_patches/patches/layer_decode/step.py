@@ -31,7 +31,6 @@ from collections import Counter
 
 import mlx.core as mx
 
-from mlx_vlm.models import cache as _cache
 from mlx_vlm.models import gated_delta as _gated
 from mlx_vlm.models import mla as _mla
 from mlx_vlm.models import switch_layers as _switch
