@@ -23,6 +23,7 @@ import mlx.nn as nn
 import pytest
 
 import glm53_patches
+from glm53_patches.exactness import same_bits
 from glm53_patches.patches import exact_qmv
 from glm53_patches.patches.exact_qmv import kernel, linear
 from glm53_patches.tiny_model import build_model, greedy_logits
@@ -32,15 +33,10 @@ PROMPT = mx.array([[3, 17, 42, 99, 100, 7, 8, 200, 31, 64, 77, 5]])
 STEPS = 6
 
 
-def bits(a):
-    return a.view({4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.dtype.size])
-
-
 def assert_bitwise(expected, actual, what):
     assert len(expected) == len(actual), what
     for i, (a, b) in enumerate(zip(expected, actual)):
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{what} [{i}]"
-        assert mx.array_equal(bits(a), bits(b)).item(), f"{what} [{i}] differs"
+        assert same_bits(a, b), f"{what} [{i}] differs (dtype, shape or bits)"
 
 
 def counts():
