@@ -5,6 +5,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from conftest import settled
+
 PROMPTS = [
     "Tell me a story about a lighthouse keeper who counts ships.",
     "List three prime numbers and explain why each is prime.",
@@ -96,6 +98,22 @@ def test_dequantized_experts_serves_prefill_exactly_like_stock(server_factory, t
     assert patched_answers == stock_answers
     stats = report["patches"]["dequantized_experts"]["stats"]
     assert stats["hits"].get("dequantized", 0) > 0 and stats["fallbacks"].get("not a prefill chunk", 0) > 0
+
+
+def test_dequantized_linear_serves_prefill_exactly_like_stock(server_factory, tiny_q4_dir, tmp_path):
+    """The dense prefill patch, forced on the CPU (fp32 activations over 4-bit projections) with a
+    threshold the chat prompts pass: the same answers as stock, and its path served them."""
+    with server_factory(tiny_q4_dir) as stock:
+        stock_answers = _answers(stock)
+    env = {"GLM53_PATCHES": "dequantized_linear", "GLM53_DEQUANTIZED_LINEAR_FAST_PATH": "1",
+           "GLM53_DEQUANTIZED_LINEAR_MIN_TOKENS": "9"}
+    with server_factory(tiny_q4_dir, env=env) as patched:
+        patched_answers = _answers(patched)
+        report = patched.published(("dequantized_linear",), until=settled("dequantized_linear"))
+    assert patched_answers == stock_answers
+    stats = report["patches"]["dequantized_linear"]["stats"]
+    assert stats["hits"].get("dequantized", 0) > 0
+    assert "dtype" not in stats["fallbacks"]  # the server's activations are fp32, the dtype it takes here
 
 
 def test_batched_experts_serves_like_stock_on_the_cpu(server_factory, tiny_q4_dir):

@@ -1,0 +1,1 @@
+"""dequantized_linear's checks: never imported at run time."""
