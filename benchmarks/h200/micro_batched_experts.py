@@ -8,10 +8,9 @@ batched_experts' BatchedExperts, and the pieces of the latter, interleaved, medi
 import argparse
 import json
 import os
-import statistics
-import time
 
 import mlx.core as mx
+from micro import interleaved
 from mlx_vlm.models.switch_layers import SwitchGLU
 
 from glm53_patches.patches.batched_experts import experts as batched
@@ -19,15 +18,6 @@ from glm53_patches.patches.batched_experts import experts as batched
 HIDDEN, WIDTH, TOP_K, TOKENS, ROUNDS, DTYPE = 4096, 2048, 8, 2048, 7, mx.bfloat16
 if os.environ.get("MICRO_SMALL"):  # a CPU dry run: narrow, fp32 (the CPU has no bf16 gather_mm)
     HIDDEN, WIDTH, TOKENS, ROUNDS, DTYPE = 256, 128, 256, 2, mx.float32
-
-
-def timed(fn):
-    mx.eval(fn())
-    mx.synchronize()
-    start = time.perf_counter()
-    mx.eval(fn())
-    mx.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def scatter_variant(glu, x, indices):
@@ -74,18 +64,15 @@ def main():
             "counts + .item()": lambda: mx.array(int(mx.zeros((n,), dtype=mx.int32).at[indices.reshape(-1)].add(1).max().item())),
             "row gather [E*rows, 4096]": lambda: x.reshape(-1, HIDDEN)[mx.arange(n * rows) % TOKENS],
         }
-        times = {k: [] for k in arms}
-        for _ in range(ROUNDS):
-            for k, fn in arms.items():
-                times[k].append(timed(fn))
+        ms = interleaved(arms, ROUNDS)
         ref, got = glu(x, indices), batched.BatchedExperts(glu)(x, indices)
         diff = float(mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item())
         nans = {"stock": int(mx.isnan(ref).sum().item()), "batched": int(mx.isnan(got).sum().item())}
         results[n] = {"rows": rows, "max_abs_diff_vs_stock": diff, "nan_count": nans,
-                      "ms": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in times.items()}}
+                      "ms": ms}
         print(f"{n} experts, busiest {rows} rows of a mean {TOKENS * TOP_K / n:.0f}; max |diff| vs stock {diff:.3g}; NaNs {nans}")
-        for k, v in times.items():
-            print(f"  {statistics.median(v):8.2f} ms [{min(v):.2f}-{max(v):.2f}]  {k}", flush=True)
+        for k, v in ms.items():
+            print(f"  {v['median']:8.2f} ms [{v['min']:.2f}-{v['max']:.2f}]  {k}", flush=True)
         if a.out:
             open(a.out, "w").write(json.dumps(results, indent=1))
 

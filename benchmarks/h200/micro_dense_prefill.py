@@ -9,10 +9,9 @@ meets it at prefill, stock's quantized_matmul against dequantize + matmul, at ch
 import argparse
 import json
 import os
-import statistics
-import time
 
 import mlx.core as mx
+from micro import interleaved
 
 from glm53_patches.patches.dequantized_linear import linear
 from glm53_patches.patches.dequantized_linear.checks.verify import model_projections
@@ -20,13 +19,6 @@ from glm53_patches.patches.dequantized_linear.checks.verify import model_project
 ON_GPU, TOKENS, ROUNDS = True, (256, 1024, 2048), 7
 if os.environ.get("MICRO_SMALL"):  # small widths, float32
     ON_GPU, TOKENS, ROUNDS = False, (256,), 2
-
-
-def timed(fn):
-    mx.eval(fn())
-    start = time.perf_counter()
-    mx.eval(fn())
-    return (time.perf_counter() - start) * 1e3
 
 
 def main():
@@ -42,16 +34,11 @@ def main():
                 x = mx.random.normal((1, tokens, width), key=mx.random.key(tokens)).astype(module["scales"].dtype)
                 mx.eval(x)
                 arms = {"stock": lambda: module(x), "dequantized": lambda: linear.project(module, x)}
-                times = {k: [] for k in arms}
-                for _ in range(ROUNDS):
-                    for k, fn in arms.items():
-                        times[k].append(timed(fn))
+                ms = interleaved(arms, ROUNDS)
                 ref, got = (fn() for fn in arms.values())
                 name = f"{path} {module['weight'].shape[0]}x{width} {module.bits}-bit, {tokens} tokens"
-                s, d = (statistics.median(times[k]) for k in arms)
-                results[name] = {"outputs_differing": int((ref != got).sum().item()), "ratio": s / d,
-                                 "ms": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-                                        for k, v in times.items()}}
+                s, d = ms["stock"]["median"], ms["dequantized"]["median"]
+                results[name] = {"outputs_differing": int((ref != got).sum().item()), "ratio": s / d, "ms": ms}
                 print(f"{name}: stock {s:.3f} ms, dequantized {d:.3f} ms ({s / d:.2f}x), "
                       f"differing {results[name]['outputs_differing']}", flush=True)
     if a.out:

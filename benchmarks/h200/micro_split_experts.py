@@ -9,10 +9,9 @@ experts), interleaved, median of ROUNDS, with the number of differing outputs.
 import argparse
 import json
 import os
-import statistics
-import time
 
 import mlx.core as mx
+from micro import interleaved
 from mlx_vlm.models.switch_layers import SwitchLinear
 
 from glm53_patches.patches.dequantized_experts.experts import dequantized
@@ -20,13 +19,6 @@ from glm53_patches.patches.dequantized_experts.experts import dequantized
 EXPERTS, HIDDEN, WIDTH, TOP_K, TOKENS, ROUNDS, DTYPE = 288, 4096, 2048, 8, 2048, 7, mx.bfloat16
 if os.environ.get("MICRO_SMALL"):  # a CPU dry run: narrow, fp32 (the CPU has no bf16 gather_mm)
     HIDDEN, WIDTH, TOKENS, ROUNDS, DTYPE = 256, 128, 256, 2, mx.float32
-
-
-def timed(fn):
-    mx.eval(fn())
-    start = time.perf_counter()
-    mx.eval(fn())
-    return (time.perf_counter() - start) * 1e3
 
 
 def main():
@@ -42,15 +34,11 @@ def main():
         mx.eval(stock.parameters(), idx, x)
         arms = {"stock gather_qmm": lambda: stock(x, idx, sorted_indices=True),
                 "dequantized": lambda: dequantized(stock)(x, idx, sorted_indices=True)}
-        times = {k: [] for k in arms}
-        for _ in range(ROUNDS):
-            for k, fn in arms.items():
-                times[k].append(timed(fn))
         ref, got = (fn() for fn in arms.values())
         name = f"{EXPERTS}x{rows_out}x{rows_in}"
         results[name] = {"class": type(dequantized(stock)).__name__,
                          "outputs_differing": int((ref != got).sum().item()), "nans": int(mx.isnan(got).sum().item()),
-                         "ms": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in times.items()}}
+                         "ms": interleaved(arms, ROUNDS)}
         print(name, json.dumps(results[name]), flush=True)
     if a.out:
         open(a.out, "w").write(json.dumps(results, indent=1))

@@ -43,7 +43,7 @@ merge_ptx() {  # after `wait`: one kernel cache from the parallel ones, for the 
 verify_all() {  # verify_all NAME...: CUDA `verify` of each patch in parallel (one state folder and kernel
   # cache each, --report to $RES), then their records merged into $ROOT/state and the kernel caches into one
   for name in "$@"; do
-    GLM53_PATCHES_STATE_DIR=$ROOT/state-$name par verify_$name 420 $PY -m glm53_patches.cli verify $name \
+    GLM53_PATCHES_STATE_DIR=$ROOT/state-$name par verify_$name ${VERIFY_LIMIT:-420} $PY -m glm53_patches.cli verify $name \
       --report $RES/verify_$name.json
   done
   wait

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Next session's plan (not yet run), three foreground calls of one machine, each tarring /root/res
+# to $OUT itself (the machine is released 30 s after a call):
+#   part 1: CUDA verify of the exact prefill set (exact_kda_prefill, exact_sparse_prefill,
+#           dequantized_linear) and hc_decode, in parallel (dequantized_linear alone took 487 s cold in
+#           s30, hence the longer limit), records merged into /root/state; then what a
+#           hyper-connection costs at prefill and what hc_decode's kernel would save there;
+#   part 2: the 45-layer 4k prefill, 2 interleaved rounds, stock the untimed reference: the exact set
+#           with its kernels on (by their records) without and with dequantized_linear (never run
+#           together), and the changing set without and with it (s30 measured dequantized_linear's
+#           first version there); then where a chunk of the fastest set goes;
+#   part 3: s29's decode comparison (exact_qmv at 5 rounds), if the budget allows.
+# Usage: h200-s31.sh PART BUDGET
+PART=${1:-1}
+BUDGET=${2:-560}
+. "$(dirname "$0")/stages.sh"
+if [ "$PART" = 1 ]; then
+  VERIFY_LIMIT=520 verify_all exact_kda_prefill exact_sparse_prefill dequantized_linear hc_decode
+  stage micro_hc_prefill 60 $PY "$(dirname "$0")/micro_hc_prefill.py" --out $RES/micro_hc_prefill.json
+elif [ "$PART" = 2 ]; then
+  merge_ptx
+  export GLM53_DEQUANTIZED_EXPERTS_FAST_PATH=1
+  E=exact_kda_prefill+exact_sparse_prefill+dequantized_experts
+  C=kda_prefill_kernel+latent_prefill+dequantized_experts+batched_experts
+  stage prefill_4k 420 $B --experts 64 --sections prefill --prefill 4096 --prefill-check-tokens 2048 \
+    --prefill-untimed-stock --prefill-rounds 2 --no-png --arms stock,$E,$E+dequantized_linear,$C,$C+dequantized_linear \
+    --out $RES/prefill_4k.json
+  stage profile_fastest 120 $PY "$(dirname "$0")/profile_prefill_chunk.py" --context 4096 --experts 64 \
+    --patches kda_prefill_kernel,latent_prefill,dequantized_experts,batched_experts,dequantized_linear \
+    --out $RES/profile_fastest.json
+else
+  merge_ptx
+  export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
+    GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1
+  D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode
+  stage decode $(( BUDGET - 20 )) $B --layers 45 --experts 64 --sections decode --contexts 256,4096 \
+    --prefill '' --arms stock,$D,$D+exact_qmv --rounds 5 --steps 16 --warmup 4 --check-steps 8 --pipelined-steps 16 \
+    --budget-s $(( BUDGET - 40 )) --no-png --out $RES/decode.json
+fi
+echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
