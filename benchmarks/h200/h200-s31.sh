@@ -2,6 +2,7 @@
 # Next session's plan (not yet run), three foreground calls of one machine, each tarring /root/res
 # to $OUT itself (the machine is released 30 s after a call):
 #   part 1: CUDA verify of the exact prefill set (exact_kda_prefill, exact_sparse_prefill,
+#           layer_decode (its digest changed after s30: it composes dequantized_linear),
 #           dequantized_linear) and hc_decode, in parallel (dequantized_linear alone took 487 s cold in
 #           s30, hence the longer limit), records merged into /root/state; then what a
 #           hyper-connection costs at prefill and what hc_decode's kernel would save there;
@@ -15,7 +16,7 @@ PART=${1:-1}
 BUDGET=${2:-560}
 . "$(dirname "$0")/stages.sh"
 if [ "$PART" = 1 ]; then
-  VERIFY_LIMIT=520 verify_all exact_kda_prefill exact_sparse_prefill dequantized_linear hc_decode
+  VERIFY_LIMIT=520 verify_all exact_kda_prefill exact_sparse_prefill dequantized_linear hc_decode layer_decode
   stage micro_hc_prefill 60 $PY "$(dirname "$0")/micro_hc_prefill.py" --out $RES/micro_hc_prefill.json
 elif [ "$PART" = 2 ]; then
   merge_ptx

@@ -413,6 +413,25 @@ def test_reverting_a_composed_patch_replans(q4_model):
     assert "hc_decode" not in layer_decode.step.report()
 
 
+def test_composes_with_a_prefill_patch_on_linear(q4_model, monkeypatch):
+    """dequantized_linear wraps glm5_next's linear for prefill: the steps stay on this path, and stock's bits."""
+    from glm53_patches.patches.dequantized_linear import PATCH as DEQUANTIZED, linear
+
+    monkeypatch.setenv("GLM53_DEQUANTIZED_LINEAR_FAST_PATH", "1")  # the CPU takes it only when forced
+    monkeypatch.setenv("GLM53_DEQUANTIZED_LINEAR_MIN_TOKENS", str(len(PROMPT)))
+    linear.clear()
+    language_model = q4_model.language_model
+    stock = decode(language_model, mx.array([PROMPT]), steps=8)
+    enable(DEQUANTIZED.name, NAME)
+    before = DEQUANTIZED.stats.snapshot()["hits"].get("dequantized", 0)
+    assert_same_decode(stock, decode(language_model, mx.array([PROMPT]), steps=8))
+    assert DEQUANTIZED.stats.snapshot()["hits"].get("dequantized", 0) > before  # the prefill dequantized
+    hits, fallbacks = counts()
+    assert {k: v for k, v in hits.items() if "layer" in k} == expected_hits(language_model, 8)
+    assert fallbacks == {"length": 1}
+    linear.clear()
+
+
 def test_revert_restores_the_original_object(fp32_model):
     from mlx_vlm.models.glm5_next import language
 

@@ -61,6 +61,7 @@ COMPOSES = {
     "exact_kda_prefill": "prefill (a decode step's single token goes to stock's loop)",
     "exact_sparse_prefill": "prefill (more than 8 tokens)",
     "dequantized_experts": "prefill",
+    "dequantized_linear": "prefill (more than 8 tokens; a decode step's projections go to the installed linear)",
     "gathered_prefill": "prefill",
     "latent_prefill": "prefill",
 }
