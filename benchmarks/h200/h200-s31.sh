@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Next session's plan (not yet run), three foreground calls of one machine, each tarring /root/res
 # to $OUT itself (the machine is released 30 s after a call):
-#   part 1: CUDA verify of the exact prefill set (exact_kda_prefill, exact_sparse_prefill,
-#           layer_decode (its digest changed after s30: it composes dequantized_linear),
-#           dequantized_linear) and hc_decode, in parallel (dequantized_linear alone took 487 s cold in
-#           s30, hence the longer limit), records merged into /root/state; then what a
-#           hyper-connection costs at prefill and what hc_decode's kernel would save there;
+#   part 1: CUDA verify, in parallel, of the exact prefill set (exact_kda_prefill,
+#           exact_sparse_prefill, dequantized_linear), hc_decode, and layer_decode (its digest changed
+#           after s30: it composes dequantized_linear); dequantized_linear alone took 487 s cold in s30,
+#           hence the longer limit; records merged into /root/state. Then what a hyper-connection costs
+#           at prefill and what hc_decode's kernel would save there;
 #   part 2: the 45-layer 4k prefill, 2 interleaved rounds, stock the untimed reference: the exact set
 #           with its kernels on (by their records) without and with dequantized_linear (never run
 #           together), and the changing set without and with it (s30 measured dequantized_linear's
