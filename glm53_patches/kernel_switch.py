@@ -38,7 +38,8 @@ class KernelSwitch:
         if backend not in self._decision:
             setting, error = config.knob(self.patch, self.knob, KNOB, None)
             if error:
-                once(logging.ERROR, f"{self.patch}: {error}; the kernel stays off")
+                what = "the kernel" if self.knob == "kernel" else f"its {self.knob.replace('_', ' ')}"
+                once(logging.ERROR, f"{self.patch}: {error}; {what} stays off")
                 setting = False
             if setting is None:
                 setting = backend in self.auto_backends and verify_records.passed(self.patch, backend)
