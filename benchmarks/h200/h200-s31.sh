@@ -4,8 +4,9 @@
 #   part 1: CUDA verify, in parallel, of the exact prefill set (exact_kda_prefill,
 #           exact_sparse_prefill, dequantized_linear), hc_decode, and layer_decode (its digest changed
 #           after s30: it composes dequantized_linear); dequantized_linear alone took 487 s cold in s30,
-#           hence the longer limit; records merged into /root/state. Then what a hyper-connection costs
-#           at prefill and what hc_decode's kernel would save there;
+#           hence the longer limit; records merged into /root/state. Beside them, the changing
+#           patches' quality gate on CUDA (s25's stopped after 5 of 8 rows). Then what a
+#           hyper-connection costs at prefill and what hc_decode's kernel would save there;
 #   part 2: the 45-layer 4k prefill, 2 interleaved rounds, stock the untimed reference: the exact set
 #           with its kernels on (by their records) without and with dequantized_linear (never run
 #           together), and the changing set without and with it (s30 measured dequantized_linear's
@@ -16,6 +17,7 @@ PART=${1:-1}
 BUDGET=${2:-560}
 . "$(dirname "$0")/stages.sh"
 if [ "$PART" = 1 ]; then
+  par quality_changing 500 $PY "$(dirname "$0")/quality_changing.py" --out $RES/quality_changing.json  # s25's stopped at 180 s
   VERIFY_LIMIT=520 verify_all exact_kda_prefill exact_sparse_prefill dequantized_linear hc_decode layer_decode
   stage micro_hc_prefill 60 $PY "$(dirname "$0")/micro_hc_prefill.py" --out $RES/micro_hc_prefill.json
 elif [ "$PART" = 2 ]; then
