@@ -13,6 +13,7 @@ from mlx.utils import tree_map
 from glm53_patches import registry
 from glm53_patches.patches.compiled_kda_decode import PATCH, step
 from glm53_patches.tiny_model import build_model, greedy_logits
+from glm53_patches.exactness import same_bits
 from mlx_vlm.models.cache import ArraysCache
 from mlx_vlm.models.glm5_next.config import TextConfig
 from mlx_vlm.models.glm5_next.language import Glm5NextLinearAttention
@@ -39,14 +40,9 @@ def patched():
     PATCH.on_revert()
 
 
-def bits(a):
-    """The raw bits of an array, as numpy (bf16 has no numpy dtype)."""
-    return np.array(a.view({4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.itemsize]))
-
-
 def assert_bitwise(ref, got, what):
     assert ref.shape == got.shape and ref.dtype == got.dtype, what
-    assert np.array_equal(bits(ref), bits(got)), what
+    assert same_bits(ref, got), what
 
 
 def counts():

@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 import glm53_patches
 from glm53_patches.patches.dsa_decode import PATCH
 from glm53_patches.tiny_model import build_model, greedy_logits
+from glm53_patches.exactness import same_bits
 from mlx_vlm.models.glm5_next.language import Glm5NextIndexer
 
 NAME = "dsa_decode"
@@ -41,13 +42,9 @@ def enabled():
     assert Glm5NextIndexer.__dict__["__call__"] is STOCK
 
 
-def bits(a):
-    return a.view({4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.dtype.size])
-
-
 def assert_same(expected, actual, what):
     assert expected.shape == actual.shape and expected.dtype == actual.dtype, what
-    assert mx.array_equal(bits(expected), bits(actual)).item(), what
+    assert same_bits(expected, actual), what
 
 
 def cache_state(cache):

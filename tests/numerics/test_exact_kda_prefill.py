@@ -31,6 +31,7 @@ from glm53_patches.patches import exact_kda_prefill
 from glm53_patches.patches.exact_kda_prefill import kernel, recurrence
 from glm53_patches.patches.exact_kda_prefill.checks import host_check
 from glm53_patches.tiny_model import build_model, greedy_logits
+from glm53_patches.exactness import same_bits
 
 NAME = "exact_kda_prefill"
 TARGET = "mlx_vlm.models.gated_delta:gated_delta_ops"
@@ -38,15 +39,11 @@ PROMPT = mx.array([[3, 17, 42, 99, 100, 7, 8, 200, 31, 64, 77, 5]])
 STEPS = 8
 
 
-def bits(a):
-    return a.view({4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.dtype.size])
-
-
 def assert_bitwise(expected, actual, what):
     assert len(expected) == len(actual), what
     for i, (a, b) in enumerate(zip(expected, actual)):
         assert a.shape == b.shape and a.dtype == b.dtype, f"{what} [{i}]: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
-        assert mx.array_equal(bits(a), bits(b)).item(), f"{what} [{i}] differs"
+        assert same_bits(a, b), f"{what} [{i}] differs"
 
 
 def kda_layers(language_model):

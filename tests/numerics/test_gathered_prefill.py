@@ -13,6 +13,7 @@ from glm53_patches import log as glm53_log
 from glm53_patches.patches.gathered_prefill import PATCH, attention
 from glm53_patches.patches.gathered_prefill.checks.verify import indexer_like
 from glm53_patches.tiny_model import build_model, tiny_config
+from glm53_patches.exactness import same_bits
 from mlx_vlm.models.glm5_next import language
 
 STOCK = language._sparse_prefill_attention
@@ -20,14 +21,9 @@ KNOB = "GLM53_GATHERED_PREFILL_MIN_CONTEXT"
 BUDGET = "GLM53_GATHERED_PREFILL_MAX_ELEMENTS"
 
 
-def bits(a):
-    """The raw bits of an array, as numpy (bf16 has no numpy dtype)."""
-    return np.array(a.view({4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.itemsize]))
-
-
 def assert_bitwise(ref, got, what):
     assert ref.shape == got.shape and ref.dtype == got.dtype, what
-    assert np.array_equal(bits(ref), bits(got)), what
+    assert same_bits(ref, got), what
 
 
 @pytest.fixture

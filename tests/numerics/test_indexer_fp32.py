@@ -15,6 +15,7 @@ from glm53_patches import registry
 from glm53_patches.patches.indexer_fp32 import PATCH, kernels, score
 from glm53_patches.patches.indexer_fp32.checks import quality
 from glm53_patches.tiny_model import build_model, greedy_logits
+from glm53_patches.exactness import same_bits
 from mlx_vlm.models.glm5_next import language
 
 NAME = "indexer_fp32"
@@ -44,13 +45,9 @@ def stats():
     PATCH.on_revert()
 
 
-def bits(a):
-    return np.array(a.view({4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.itemsize]))
-
-
 def assert_bitwise(ref, got, what=""):
     assert ref.shape == got.shape and ref.dtype == got.dtype, what
-    assert np.array_equal(bits(ref), bits(got)), what
+    assert same_bits(ref, got), what
 
 
 def counts():

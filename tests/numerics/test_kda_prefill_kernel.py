@@ -24,7 +24,7 @@ import pytest
 from mlx.utils import tree_map
 
 from glm53_patches import registry
-from glm53_patches.exactness import logit_gate
+from glm53_patches.exactness import logit_gate, same_bits
 from glm53_patches.patches.kda_prefill_kernel import PATCH, chunked, cuda, mixer
 from glm53_patches.tiny_model import build_model
 from mlx_vlm.models import gated_delta
@@ -52,10 +52,6 @@ def patched():
 def counts():
     snapshot = PATCH.stats.snapshot()
     return snapshot["hits"], snapshot["fallbacks"]
-
-
-def bits(a):
-    return np.array(a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize]))
 
 
 def f64(a):
@@ -225,8 +221,8 @@ def test_mixer_batched_padded_and_resumed(patched, dtype):
     assert max_abs(one_cache[1], ref_cache[1]) < 1e-5
     assert one_cache[1].dtype == ref_cache[1].dtype == mx.float32
     # the conv window is stock's code path: bit-identical
-    assert np.array_equal(bits(one_cache[0]), bits(ref_cache[0]))
-    assert np.array_equal(bits(two_cache[0]), bits(ref_cache[0]))
+    assert same_bits(one_cache[0], ref_cache[0])
+    assert same_bits(two_cache[0], ref_cache[0])
 
 
 def test_padding_does_not_touch_the_state(patched):
@@ -261,7 +257,7 @@ def test_right_padding_by_lengths(patched):
     valid = np.array(mx.arange(length)[None] < mx.array(lengths)[:, None])
     assert rel_diff(got, ref, valid) < OUT_TOL[mx.float32]
     assert max_abs(caches[1][1], caches[0][1]) < 1e-5
-    assert np.array_equal(bits(caches[1][0]), bits(caches[0][0]))
+    assert same_bits(caches[1][0], caches[0][0])
     assert counts()[0] == {"prefill (chunked)": 1}
 
 
@@ -277,7 +273,7 @@ def test_decode_and_unhandled_cases_run_stock(patched, monkeypatch):
     token = mx.random.normal((len(PADDING), 1, HIDDEN))
     ref = stock(layer, token, caches[0].make_mask(1), caches[0])
     got = layer(token, caches[1].make_mask(1), caches[1])
-    assert np.array_equal(bits(ref), bits(got)) and np.array_equal(bits(caches[0][1]), bits(caches[1][1]))
+    assert same_bits(ref, got) and same_bits(caches[0][1], caches[1][1])
     assert counts() == ({}, {"decode (length 1)": 1})
 
     # speculation wants per-token states: stock's recurrence, bit for bit
@@ -287,14 +283,14 @@ def test_decode_and_unhandled_cases_run_stock(patched, monkeypatch):
     block = mx.random.normal((len(PADDING), 4, HIDDEN))
     ref = stock(layer, block, caches[0].make_mask(4), caches[0])
     got = layer(block, caches[1].make_mask(4), caches[1])
-    assert np.array_equal(bits(ref), bits(got)) and np.array_equal(bits(caches[0][1]), bits(caches[1][1]))
+    assert same_bits(ref, got) and same_bits(caches[0][1], caches[1][1])
     assert counts() == ({}, {"speculative history": 1})
 
     # no gate bound: stock
     PATCH.stats.reset()
     layer.lower_bound = None
     x = mx.random.normal((1, 20, HIDDEN))
-    assert np.array_equal(bits(stock(layer, x)), bits(layer(x)))
+    assert same_bits(stock(layer, x), layer(x))
     assert counts() == ({}, {"no gate lower bound": 1})
 
 
@@ -378,7 +374,7 @@ def test_method_dispatch_on_cuda(patched, fake_cuda, monkeypatch):
         STOCK(layer, x[:, :9], None, cache)
         cache.start_speculation(4)
     block = mx.random.normal((2, 4, HIDDEN))
-    assert np.array_equal(bits(STOCK(layer, block, None, caches[0])), bits(layer(block, None, caches[1])))
+    assert same_bits(STOCK(layer, block, None, caches[0]), layer(block, None, caches[1]))
     assert counts() == ({}, {"speculative history": 1}) and len(fake_cuda) == 2
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from glm53_patches import registry
-from glm53_patches.exactness import logit_gate
+from glm53_patches.exactness import logit_gate, same_bits
 from glm53_patches.patches.gathered_prefill.checks.verify import indexer_like
 from glm53_patches.patches.latent_prefill import PATCH, attend
 from glm53_patches.tiny_model import build_model
@@ -25,10 +25,6 @@ STOCK = Glm5NextAttention.__dict__["_attend"]
 
 def f64(a):
     return np.array(a.astype(mx.float32)).astype(np.float64)
-
-
-def bits(a):
-    return np.array(a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize]))
 
 
 @pytest.fixture(params=["dense", "gathered"])
@@ -88,7 +84,7 @@ def test_blocks_of_queries_give_the_same_bits(fast, path, monkeypatch):
         else:
             monkeypatch.setattr(attend, "GATHER_ELEMENTS", rows * topk.shape[-1] * attn.kv_lora_rank)
         tiled, _ = fast(attn, q, latent, latent, topk, KVCache(), None)
-        assert np.array_equal(bits(tiled), bits(whole)), rows
+        assert same_bits(tiled, whole), rows
 
 
 def test_short_chunks_run_stock(fast):
@@ -96,7 +92,7 @@ def test_short_chunks_run_stock(fast):
     q, latent, topk = attend_inputs(attn, 2, language.DECODE_BLOCK_SIZE, 90)
     ref, _ = STOCK(attn, q, latent, latent, topk, KVCache(), None)
     got, _ = fast(attn, q, latent, latent, topk, KVCache(), None)
-    assert np.array_equal(bits(got), bits(ref))
+    assert same_bits(got, ref)
     assert PATCH.stats.snapshot() == {"hits": {}, "fallbacks": {"decode path (short chunk)": 1}}
 
 

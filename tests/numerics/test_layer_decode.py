@@ -16,6 +16,7 @@ from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch
 from glm53_patches.patches import layer_decode
 from glm53_patches.tiny_model import build_model, greedy_logits
+from glm53_patches.exactness import same_bits
 
 STEPS = 64
 NAME = "layer_decode"
@@ -50,10 +51,6 @@ def counts():
 # -- comparing everything a decode leaves behind ----------------------------------------------
 
 
-def bits(a):
-    return a.view({8: mx.uint64, 4: mx.uint32, 2: mx.uint16, 1: mx.uint8}[a.itemsize])
-
-
 def cache_state(cache, path="cache"):
     """(path, value) of every array and plain field in a list of caches (recursively)."""
     from mlx_vlm.models.cache import CacheList
@@ -73,7 +70,7 @@ def assert_same(expected, actual, what="value"):
     assert type(expected) is type(actual), what
     if isinstance(expected, mx.array):
         assert expected.dtype == actual.dtype and expected.shape == actual.shape, what
-        assert expected.size == 0 or mx.array_equal(bits(expected), bits(actual)).item(), f"{what} differs"
+        assert expected.size == 0 or same_bits(expected, actual), f"{what} differs"
     else:
         assert expected == actual, what
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from glm53_patches import pins, stage
+from glm53_patches.exactness import same_bits
 from glm53_patches.stage import checks, pr, runner, source
 
 PINS = pins.mlx_vlm_versions()
@@ -63,10 +64,6 @@ def diff_files(diff_text):
         elif line == "new file mode 100644":
             files[current] = "new"
     return files
-
-
-def bits(a):
-    return np.array(a.view({4: mx.uint32, 2: mx.uint16}[a.itemsize]))
 
 
 # -- the upstream form is the plugin's code ----------------------------------------------------------
@@ -494,11 +491,11 @@ def test_stage_applies_passes_and_matches_the_plugin(name, pin, releases, models
     for case in cases:
         ref, got = plugin_arrays[f"plugin/{case}"], staged_arrays[f"staged/{case}"]
         assert ref.shape == got.shape and ref.shape[0] >= 12
-        assert np.array_equal(bits(ref), bits(got)), f"{case}: staged differs from the plugin"
+        assert same_bits(ref, got), f"{case}: staged differs from the plugin"
         if patch.numerics == "exact":
-            assert np.array_equal(bits(plugin_arrays[f"stock/{case}"]), bits(got)), f"{case}: differs from stock"
+            assert same_bits(plugin_arrays[f"stock/{case}"], got), f"{case}: differs from stock"
         if described.switch:  # switched off, the staged tree is the stock release
-            assert np.array_equal(bits(plugin_arrays[f"stock/{case}"]), bits(staged_arrays[f"off/{case}"]))
+            assert same_bits(plugin_arrays[f"stock/{case}"], staged_arrays[f"off/{case}"])
     if described.switch:
         assert staged["fast_path_off"]["served"] == 0
 
