@@ -11,7 +11,8 @@
 #           with its kernels on (by their records) without and with dequantized_linear (never run
 #           together), and the changing set without and with it (s30 measured dequantized_linear's
 #           first version there); then where a chunk of the fastest set goes;
-#   part 3: s29's decode comparison (exact_qmv at 5 rounds), if the budget allows.
+#   part 3: dequantized_linear at every 64th row count from its threshold to 4,096 (verify checks five),
+#           then s29's decode comparison (exact_qmv at 5 rounds), if the budget allows.
 # Usage: h200-s31.sh PART BUDGET
 PART=${1:-1}
 BUDGET=${2:-560}
@@ -33,11 +34,12 @@ elif [ "$PART" = 2 ]; then
     --out $RES/profile_fastest.json
 else
   merge_ptx
+  stage probe_dense_rows 150 $PY "$(dirname "$0")/probe_dense_rows.py" --out $RES/probe_dense_rows.json
   export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
     GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1
   D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode
-  stage decode $(( BUDGET - 20 )) $B --layers 45 --experts 64 --sections decode --contexts 256,4096 \
+  stage decode $(( $(left) - 20 )) $B --layers 45 --experts 64 --sections decode --contexts 256,4096 \
     --prefill '' --arms stock,$D,$D+exact_qmv --rounds 5 --steps 16 --warmup 4 --check-steps 8 --pipelined-steps 16 \
-    --budget-s $(( BUDGET - 40 )) --no-png --out $RES/decode.json
+    --budget-s $(( $(left) - 40 )) --no-png --out $RES/decode.json
 fi
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
