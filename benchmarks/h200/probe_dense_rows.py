@@ -13,6 +13,7 @@ import os
 
 import mlx.core as mx
 
+from glm53_patches.backend import current as backend
 from glm53_patches.exactness import same_bits
 from glm53_patches.patches.dequantized_linear import linear
 from glm53_patches.patches.dequantized_linear.checks.verify import in_dims, model_projections
@@ -24,7 +25,7 @@ def main():
     p.add_argument("--out")
     a = p.parse_args()
     on_gpu = not os.environ.get("MICRO_SMALL")
-    here, dtype = linear.backend(), mx.bfloat16 if on_gpu else mx.float32
+    here, dtype = backend(), mx.bfloat16 if on_gpu else mx.float32
     first = linear.min_tokens()
     differing, compared, skipped = [], 0, []
     with linear.switch.forcing(True):

@@ -85,33 +85,31 @@ def test_status_shows_what_each_process_requested(server_factory, tiny_fp32_dir,
     assert "bootstrap did not run" not in status
 
 
-def test_dequantized_experts_serves_prefill_exactly_like_stock(server_factory, tiny_q4_dir, tmp_path):
-    """The prefill patch, forced on the CPU (fp32 activations over 4-bit experts) with a
-    threshold the chat prompts pass: the same answers as stock, and its path served them."""
-    with server_factory(tiny_q4_dir) as stock:
-        stock_answers = _answers(stock)
-    env = {"GLM53_PATCHES": "dequantized_experts", "GLM53_DEQUANTIZED_EXPERTS_FAST_PATH": "1",
-           "GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS": "9"}
-    with server_factory(tiny_q4_dir, env=env) as patched:
-        patched_answers = _answers(patched)
-        report = patched.published(("dequantized_experts",))
-    assert patched_answers == stock_answers
-    stats = report["patches"]["dequantized_experts"]["stats"]
+def _forced_prefill_patch(server_factory, model_dir, name):
+    """Stock's answers; then ``name`` forced on (the CPU) with a threshold the chat prompts pass:
+    its answers, and its counters once every request is in."""
+    with server_factory(model_dir) as stock:
+        expected = _answers(stock)
+    knob = f"GLM53_{name.upper()}"
+    env = {"GLM53_PATCHES": name, f"{knob}_FAST_PATH": "1", f"{knob}_MIN_TOKENS": "9"}
+    with server_factory(model_dir, env=env) as patched:
+        answers = _answers(patched)
+        report = patched.published((name,), until=settled(name))
+    return expected, answers, report["patches"][name]["stats"]
+
+
+def test_dequantized_experts_serves_prefill_exactly_like_stock(server_factory, tiny_q4_dir):
+    """fp32 activations over 4-bit experts: the same answers as stock, its path served the prefills
+    and decode stayed stock's."""
+    expected, answers, stats = _forced_prefill_patch(server_factory, tiny_q4_dir, "dequantized_experts")
+    assert answers == expected
     assert stats["hits"].get("dequantized", 0) > 0 and stats["fallbacks"].get("not a prefill chunk", 0) > 0
 
 
-def test_dequantized_linear_serves_prefill_exactly_like_stock(server_factory, tiny_q4_dir, tmp_path):
-    """The dense prefill patch, forced on the CPU (fp32 activations over 4-bit projections) with a
-    threshold the chat prompts pass: the same answers as stock, and its path served them."""
-    with server_factory(tiny_q4_dir) as stock:
-        stock_answers = _answers(stock)
-    env = {"GLM53_PATCHES": "dequantized_linear", "GLM53_DEQUANTIZED_LINEAR_FAST_PATH": "1",
-           "GLM53_DEQUANTIZED_LINEAR_MIN_TOKENS": "9"}
-    with server_factory(tiny_q4_dir, env=env) as patched:
-        patched_answers = _answers(patched)
-        report = patched.published(("dequantized_linear",), until=settled("dequantized_linear"))
-    assert patched_answers == stock_answers
-    stats = report["patches"]["dequantized_linear"]["stats"]
+def test_dequantized_linear_serves_prefill_exactly_like_stock(server_factory, tiny_q4_dir):
+    """fp32 activations over 4-bit projections: the same answers as stock, and its path served them."""
+    expected, answers, stats = _forced_prefill_patch(server_factory, tiny_q4_dir, "dequantized_linear")
+    assert answers == expected
     assert stats["hits"].get("dequantized", 0) > 0
     assert "dtype" not in stats["fallbacks"]  # the server's activations are fp32, the dtype it takes here
 
