@@ -139,13 +139,15 @@ def _served_dtype(model, dtype):
     return model
 
 
-def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, variants=None, config=None):
+def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, variants=None, config=None,
+                        blocks=False):
     """Greedy decode of the tiny model with ``owner.attr`` = ``stock`` vs ``patched`` (inside ``forcing()``).
 
     Models (``variants``: (label, quantize bits, served dtype or None)): by
     default fp32; 4-bit on the CPU, bf16 on a GPU (MLX's CUDA quantized
     matmul has no fp32 kernel for the tiny shapes). ``config``: overrides of
     the tiny model's config. Batch 1 and 2; every step's logits bit for bit.
+    ``blocks``: also speculative verify blocks (``tiny_model.speculative_outputs``).
     """
     from . import tiny_model
 
@@ -160,25 +162,30 @@ def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, v
             tally.notes.append(f"tiny model skipped: {exc}")
             return
         language_model = (_served_dtype(model, dtype) if dtype else model).language_model
+        runs = {"": lambda tokens: tiny_model.greedy_logits(language_model, tokens, steps)}
+        if blocks:
+            runs[" verify blocks"] = lambda tokens: tiny_model.speculative_outputs(language_model, tokens)
         for batch, tokens in ((1, prompt), (2, mx.concatenate([prompt, prompt[:, ::-1]]))):
-            results = []
-            for fn in (stock, patched):
-                try:
-                    setattr(owner, attr, fn)
-                    with forcing():
-                        results.append(tiny_model.greedy_logits(language_model, tokens, steps))
-                finally:
-                    setattr(owner, attr, installed)
-            tally.compare(f"tiny model {label} B={batch}", *results)
+            for what, run in runs.items():
+                results = []
+                for fn in (stock, patched):
+                    try:
+                        setattr(owner, attr, fn)
+                        with forcing():
+                            results.append(run(tokens))
+                    finally:
+                        setattr(owner, attr, installed)
+                tally.compare(f"tiny model {label} B={batch}{what}", *results)
 
 
-def verify_gpu_kernel(patch, check_kernel, owner, make_call, switch, attr="__call__"):
+def verify_gpu_kernel(patch, check_kernel, owner, make_call, switch, attr="__call__", blocks=False):
     """``verify`` of a patch that is one GPU kernel behind ``owner.attr`` and stock elsewhere.
 
     On a GPU: ``check_kernel(tally, backend)`` (the kernel against stock's
     ops), then the tiny models with the kernel forced on, which must count
     kernel hits. On the CPU: the tiny models only (the wrapper must hand
-    every call to stock unchanged).
+    every call to stock unchanged). ``blocks``: the tiny models also run
+    speculative verify blocks.
     """
     import time
 
@@ -192,7 +199,7 @@ def verify_gpu_kernel(patch, check_kernel, owner, make_call, switch, attr="__cal
     if on_gpu:
         check_kernel(tally, here)
     stock = registry.upstream(next(iter(patch.targets)))  # stock even while patches are applied
-    compare_tiny_models(tally, owner, attr, stock, make_call(stock), lambda: switch.forcing(True))
+    compare_tiny_models(tally, owner, attr, stock, make_call(stock), lambda: switch.forcing(True), blocks=blocks)
     ran = patch.stats.snapshot()["hits"].get("kernel", 0) - before
     if on_gpu and not ran:  # equal outputs prove nothing if stock ran both times
         tally.mismatches.append("the kernel never ran in the model check")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 # GLM-style control tokens. The BPE trainer gives special tokens the first
@@ -295,6 +296,42 @@ def greedy_logits(language_model, tokens, steps, cache=None):
         logits.append(language_model(token[:, None], cache=cache).logits[:, -1])
         mx.eval(logits[-1])
     return logits
+
+
+def speculative_logits(language_model, tokens, rounds, cache=None, seed=1):
+    """Prefill ``tokens``, then ``rounds`` speculative verify blocks as mlx-vlm's MTP loop runs them on
+    the target, each followed by one greedy decode step.
+
+    A block is ``start_speculative_cache``, one forward of 2 to 8 random tokens, and a commit of a random
+    accepted prefix per row (a rollback of the rest). Returns every block's logits (all positions) and
+    every step's last-position logits, each evaluated as it is produced, and the cache.
+    """
+    from mlx_vlm.generate.ar import _make_cache
+    from mlx_vlm.speculative.cache_state import start_speculative_cache
+
+    rng = np.random.default_rng(seed)
+    batch = tokens.shape[0]
+    if cache is None:  # a batch gets the batch generator's caches, which commit per row
+        cache = language_model.make_cache() if batch == 1 else _make_cache(language_model, [0] * batch)
+    logits = [language_model(tokens, cache=cache).logits[:, -1]]
+    for round_ in range(rounds):
+        length = 2 + round_ % 7
+        block = mx.array(rng.integers(20, 500, (batch, length)), dtype=mx.int32)
+        transaction = start_speculative_cache(cache, length)
+        logits.append(language_model(block, cache=cache).logits)
+        mx.eval(logits[-1])
+        transaction.commit([int(k) for k in rng.integers(1, length + 1, batch)])  # accepted + bonus
+        step = mx.argmax(logits[-1][:, -1], axis=-1)[:, None]
+        logits.append(language_model(step, cache=cache).logits[:, -1])
+        mx.eval(logits[-1])
+    return logits, cache
+
+
+def speculative_outputs(language_model, tokens, rounds=7):
+    """What a verify-block comparison checks: ``speculative_logits``' logits, then every array the
+    cache holds after the last block's rollback and step."""
+    logits, cache = speculative_logits(language_model, tokens, rounds)
+    return logits + [a for _, a in tree_flatten([c.state for c in cache]) if a is not None]
 
 
 def write_tiny_model(out_dir, *, quantize_bits=None, seed=0, **config_overrides):

@@ -12,14 +12,22 @@
 #           together), and the changing set without and with it (s30 measured dequantized_linear's
 #           first version there); then where a chunk of the fastest set goes;
 #   part 3: dequantized_linear at every 64th row count from its threshold to 4,096 (verify checks five),
-#           then s29's decode comparison (exact_qmv at 5 rounds), if the budget allows.
+#           then s29's decode comparison (exact_qmv at 5 rounds), if the budget allows;
+#   part 4: speculative verify blocks (issue 16) now that hc_decode, expert_combine and router_select
+#           run in them: blocks of 1-4 tokens at 256 and 4,096 tokens of context, stock against the
+#           exact decode set with and without layer_decode, every block checked bit for bit. Needs
+#           part 1's records for hc_decode, router_select and expert_combine (their digests changed
+#           after s30), or their kernels stay off on auto.
+# Part 1 verifies eight patches in parallel; dequantized_linear alone took 487 s cold in s30. If the
+# machine is slow, run the decode four (VERIFY="hc_decode layer_decode router_select expert_combine")
+# in a call of their own first.
 # Usage: h200-s31.sh PART BUDGET
 PART=${1:-1}
 BUDGET=${2:-560}
 . "$(dirname "$0")/stages.sh"
 if [ "$PART" = 1 ]; then
   par quality_changing 500 $PY "$(dirname "$0")/quality_changing.py" --out $RES/quality_changing.json  # s25's stopped at 180 s
-  VERIFY_LIMIT=520 verify_all exact_kda_prefill exact_sparse_prefill dequantized_linear hc_decode layer_decode
+  VERIFY_LIMIT=520 verify_all ${VERIFY:-exact_kda_prefill exact_sparse_prefill dequantized_linear hc_decode layer_decode router_select expert_combine}
   stage micro_hc_prefill 60 $PY "$(dirname "$0")/micro_hc_prefill.py" --out $RES/micro_hc_prefill.json
 elif [ "$PART" = 2 ]; then
   merge_ptx
@@ -32,6 +40,11 @@ elif [ "$PART" = 2 ]; then
   stage profile_fastest 120 $PY "$(dirname "$0")/profile_prefill_chunk.py" --context 4096 --experts 64 \
     --patches kda_prefill_kernel,latent_prefill,dequantized_experts,batched_experts,dequantized_linear \
     --out $RES/profile_fastest.json
+elif [ "$PART" = 4 ]; then
+  D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode
+  stage verify_blocks $(( $(left) - 20 )) $B --layers 45 --experts 64 --sections verify --contexts 256,4096 \
+    --prefill '' --verify-blocks 1,2,3,4 --arms stock,$D,$D+layer_decode --rounds 3 --steps 6 --warmup 2 \
+    --check-steps 2 --budget-s $(( $(left) - 40 )) --no-png --out $RES/verify_blocks.json
 else
   merge_ptx
   stage probe_dense_rows 150 $PY "$(dirname "$0")/probe_dense_rows.py" --out $RES/probe_dense_rows.json

@@ -16,8 +16,10 @@ import glm53_patches
 from glm53_patches.tiny_model import build_model, greedy_logits
 
 import glm53_patches.patches.expert_combine as expert_combine
+import glm53_patches.patches.hc_decode as hc_decode
 import glm53_patches.patches.router_select as router_select
 from glm53_patches.exactness import same_bits
+from glm53_patches.kernels import hc_sinkhorn
 
 PATCHES = {"router_select": router_select.PATCH, "expert_combine": expert_combine.PATCH}
 PROMPT = mx.array([[3, 17, 42, 99, 100, 7, 8, 200, 31, 64, 77, 5]])
@@ -58,7 +60,7 @@ def test_revert_restores_the_original_object(name, owner):
 def test_verify_on_the_cpu(name):
     result = PATCHES[name].verify()
     assert result["exact"] is True, result["detail"]
-    assert result["cases"] == 4 and "steps aside" in result["detail"]
+    assert result["cases"] == 8 and "steps aside" in result["detail"]  # fp32 and 4-bit, B=1 and 2, decode and verify blocks
 
 
 # -- router_select ------------------------------------------------------------------------------
@@ -128,3 +130,76 @@ def test_combine_kernel_coverage():
     assert unsupported(odd, weights, mx.zeros((2, 1, 4092), mx.bfloat16), backend="cuda") == "not col_reduce_small's case"
     wide = mx.zeros((2, 1, 40, 4096), mx.bfloat16)
     assert unsupported(wide, mx.zeros((2, 1, 40)), shared, backend="cuda") == "not col_reduce_small's case"
+
+
+def _pretend_gpu(monkeypatch, backend):
+    """expert_combine on a pretend ``backend`` whose "kernel" is stock's own ``SwitchGLU._combine``.
+
+    The kernel is GPU-only and its arithmetic is ``verify``'s, run on a GPU. With stock's combine in its
+    place what a CPU test checks is the wiring around it: which calls it takes and what it does with
+    them.
+    """
+    from mlx_vlm.models.switch_layers import SwitchGLU
+
+    from glm53_patches.patches.expert_combine import combine
+
+    monkeypatch.setattr(combine, "gpu_backend", lambda: backend)
+    monkeypatch.setattr(combine, "expert_combine", lambda routed, weights, shared: SwitchGLU._combine(routed, weights, shared))
+    return combine.switch.forcing(True)
+
+
+@pytest.mark.parametrize("with_hc_decode", [False, True], ids=["stock-apply_branch", "hc_decode"])
+def test_verify_blocks_take_the_combine_and_expand_the_residual(monkeypatch, with_hc_decode):
+    """In speculative verify blocks the MoE gets the hyper-connection residual (from stock's
+    apply_branch, or from hc_decode): the combine takes those calls and expands the residual as
+    ``SwitchGLU._combine`` does; every block's logits and the cache after its rollback are stock's."""
+    from test_layer_decode import assert_same, cache_state
+
+    from glm53_patches.tiny_model import speculative_logits
+
+    language_model = build_model(quantize_bits=4, seed=2).language_model
+    rounds, names = 7, ["expert_combine", "hc_decode"] if with_hc_decode else ["expert_combine"]
+    expected = speculative_logits(language_model, PROMPT, rounds)
+    state = glm53_patches.enable(names, strict=True)
+    assert all(state[name]["state"] == "applied" for name in names), state
+    expert_combine.PATCH.stats.reset()
+    with _pretend_gpu(monkeypatch, "cuda"):
+        try:
+            actual = speculative_logits(language_model, PROMPT, rounds)
+        finally:
+            glm53_patches.disable()
+    for i, (a, b) in enumerate(zip(expected[0], actual[0], strict=True)):
+        assert_same(a, b, f"logits {i}")
+    for (path, a), (_, b) in zip(cache_state(expected[1]), cache_state(actual[1]), strict=True):
+        assert_same(a, b, path)
+    stats = expert_combine.PATCH.stats.snapshot()
+    moe_layers = sum(cfg == "sparse" for cfg in language_model.model.config.mlp_layer_types)
+    assert stats["hits"]["block"] == rounds * moe_layers, stats  # every block's MoE layers
+    assert stats["hits"]["kernel"] == 2 * rounds * moe_layers, stats  # and every decode step's
+    assert stats["fallbacks"] == {"not decode": moe_layers}, stats  # the prefill only
+
+
+def test_metal_verify_blocks_go_to_stock(monkeypatch):
+    """On Metal stock runs a short block's MoE through its own fused exact kernels: both patches step
+    aside there (and still take single-token steps)."""
+    from glm53_patches.tiny_model import speculative_logits
+
+    language_model = build_model(quantize_bits=4, seed=2).language_model
+    rounds = 3
+    expected = speculative_logits(language_model, PROMPT, rounds)[0]
+    glm53_patches.enable(["expert_combine", "hc_decode"], strict=True)
+    expert_combine.PATCH.stats.reset()
+    hc_decode.PATCH.stats.reset()
+    monkeypatch.setattr(hc_sinkhorn, "gpu_backend", lambda: "metal")
+    with _pretend_gpu(monkeypatch, "metal"):
+        try:
+            actual = speculative_logits(language_model, PROMPT, rounds)[0]
+        finally:
+            glm53_patches.disable()
+    assert all(same_bits(a, b) for a, b in zip(expected, actual, strict=True))
+    moe_layers = sum(cfg == "sparse" for cfg in language_model.model.config.mlp_layer_types)
+    combine, hc = expert_combine.PATCH.stats.snapshot(), hc_decode.PATCH.stats.snapshot()
+    assert combine["fallbacks"]["metal verify block"] == rounds * moe_layers, combine
+    assert combine["hits"] == {"kernel": rounds * moe_layers}, combine
+    assert hc["fallbacks"]["metal verify block"] == rounds * len(language_model.layers), hc
+    assert "block" not in hc["hits"] and hc["hits"]["layer"] == rounds * len(language_model.layers), hc

@@ -8,7 +8,7 @@ from conftest import settled
 
 from glm53_patches.tiny_drafter import DRAFTER_PROMPTS, write_tiny_drafter
 
-KDA_LAYERS = 5  # the tiny model's (glm53_patches.tiny_model.tiny_config)
+KDA_LAYERS, LAYERS = 5, 8  # the tiny model's (glm53_patches.tiny_model.tiny_config)
 OTHER = "Why is the sky blue?"  # not one the drafter learnt: its drafts are rejected
 
 
@@ -56,3 +56,6 @@ def test_speculative_answers_and_acceptance_equal_stock(server_factory, tiny_q4_
     # rounds * KDA_LAYERS calls; streamed and concurrent requests add more).
     assert verify_blocks >= rounds * KDA_LAYERS and verify_blocks % KDA_LAYERS == 0, (verify_blocks, rounds)
     assert "speculating" not in kda["stats"]["fallbacks"], kda["stats"]
+    # hc_decode took every layer of the verify blocks (the blocks longer than one token).
+    hc = report["patches"]["hc_decode"]["stats"]
+    assert hc["hits"]["block"] >= rounds * LAYERS // 2 and hc["hits"]["block"] % LAYERS == 0, (hc, rounds)

@@ -14,9 +14,9 @@ _SWITCH = "mlx_vlm.models.switch_layers"
 PATCH = Patch(
     name="expert_combine",
     summary=(
-        "Glm5NextMoE at single-token decode: the routed experts' weighted sum plus the "
-        "shared expert's output in one kernel launch instead of four (cast, multiply, "
-        "column sum, add), with stock's rounding. GPU only, where `glm53-patches verify "
+        "Glm5NextMoE at decode and in speculative verify blocks: the routed experts' weighted "
+        "sum plus the shared expert's output in one kernel launch instead of four (cast, "
+        "multiply, column sum, add), with stock's rounding. GPU only, where `glm53-patches verify "
         "expert_combine` passed; other models' MoE blocks are left alone."
     ),
     targets={f"{_SWITCH}:MoE.__call__": lazy(f"{__name__}.combine", "make_call")},
@@ -24,6 +24,12 @@ PATCH = Patch(
         f"{_SWITCH}:SwitchGLU.__call__",
         f"{_SWITCH}:SwitchGLU._combine",
         f"{GLM5_NEXT}:Glm5NextMoE.__init__",
+        # short blocks: the residual apply_branch hands over, and the Metal-only
+        # paths that make stock's routed outputs depend on the call form
+        "mlx_vlm.models.deepseek_v4.hyper_connection:HyperConnection.apply_branch",
+        "mlx_vlm.models.deepseek_v4.hyper_connection:hc_expand",
+        "mlx_vlm.models.fast_ops:exact_affine_moe_down",
+        "mlx_vlm.models.quantized_verifier:exact_quantized_moe_hc_expand",
     ),
     uses=("glm53_patches.kernels.build",),
     numerics="exact",

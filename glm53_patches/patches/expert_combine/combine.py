@@ -1,15 +1,23 @@
 """The replacement for ``MoE.__call__`` (mlx-vlm's shared MoE block), for ``Glm5NextMoE`` at decode.
 
-For one token per row it makes stock's calls in stock's order (router,
+For a decode token or a short block (``L <= DECODE_BLOCK_SIZE``, 8:
+speculative verify blocks) it makes stock's calls in stock's order (router,
 shared expert, routed experts through ``SwitchGLU`` with no weights, which
-returns the unweighted ``[B, 1, K, H]`` outputs) and then combines them in
-one launch. Every other model, prefill, sharded or residual-fused calls, the
-CPU and shapes the kernel does not cover go to the stock ``__call__``.
+returns the unweighted ``[B, L, K, H]`` outputs) and then combines them in
+one launch. A short block may bring the hyper-connection residual
+(``apply_branch`` hands it over): it is expanded as ``SwitchGLU._combine``
+does, with ``hc_expand``. Off Metal, a short block's routed outputs are
+stock's whatever the call form: the paths that use the weights, shared
+output or residual early are Metal kernels, so on Metal short blocks go to
+stock. Every other model, prefill, sharded calls, the CPU and shapes the
+kernel does not cover go to the stock ``__call__``.
 """
 
 import functools
 
+from mlx_vlm.models.deepseek_v4.hyper_connection import hc_expand
 from mlx_vlm.models.glm5_next import language as _lang
+from mlx_vlm.models.linear import DECODE_BLOCK_SIZE
 from mlx_vlm.models.switch_layers import SwitchGLU
 
 from glm53_patches.kernel_switch import KernelSwitch
@@ -34,21 +42,30 @@ def combine_call(self, x, args, residual, kwargs):
     if not kernel_wanted(backend):
         stats.fallback("no GPU backend" if backend is None else "kernel off (not verified here)")
         return None
-    if args or kwargs or residual is not None or getattr(self, "sharding_group", None) is not None:
+    if args or kwargs or getattr(self, "sharding_group", None) is not None:
         stats.fallback("call form")
         return None
-    if x.ndim != 3 or x.shape[1] != 1 or self.training or not isinstance(self.switch_mlp, SwitchGLU):
-        stats.fallback("not single-token decode")
+    if x.ndim != 3 or not 1 <= x.shape[1] <= DECODE_BLOCK_SIZE or self.training or not isinstance(self.switch_mlp, SwitchGLU):
+        stats.fallback("not decode")
+        return None
+    if x.shape[1] == 1 and residual is not None:
+        stats.fallback("call form")  # stock never fuses a single token's residual
+        return None
+    if x.shape[1] > 1 and backend == "metal":
+        stats.fallback("metal verify block")  # stock's fused exact Metal kernels run there
         return None
     indices, weights = self.gate(x)
     shared = self.shared_experts(x)
-    routed = self.switch_mlp(x, indices)  # no weights: the [B, 1, K, H] outputs, unsummed
+    routed = self.switch_mlp(x, indices)  # no weights: the [B, L, K, H] outputs, unsummed
     reason = unsupported(routed, weights, shared, backend)
     if reason is not None:
         stats.fallback(reason)
         return None  # stock recomputes; nothing above was evaluated
     stats.hit("kernel")
-    return expert_combine(routed, weights, shared)
+    if x.shape[1] > 1:
+        stats.hit("block")
+    output = expert_combine(routed, weights, shared)
+    return output if residual is None else hc_expand(output, *residual)
 
 
 def clear():

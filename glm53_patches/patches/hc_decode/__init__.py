@@ -16,7 +16,8 @@ _HC = "mlx_vlm.models.deepseek_v4.hyper_connection"
 PATCH = Patch(
     name="hc_decode",
     summary=(
-        "Single-token decode of a DecoderLayer runs each hyper-connection's "
+        "Decode of a DecoderLayer (one token, or a speculative verify block of up to 8 "
+        "off Metal) runs each hyper-connection's "
         "collapse (flatten, rms_norm, mix matmul, Sinkhorn, weighted sum), the "
         "branch input norm and the expand as mx.compile'd graphs; on a GPU "
         "where `glm53-patches verify` passed, the Sinkhorn collapse is one "
@@ -36,6 +37,11 @@ PATCH = Patch(
         f"{_HC}:_make_hc_sinkhorn_collapse_kernel",
         f"{_HC}:hc_expand",
         f"{_HC}:_hc_expand_op",
+        # short blocks: stock's exact ones are Metal kernels; the MoE takes the residual
+        "mlx_vlm.models.fast_ops:exact_hc_norm",
+        "mlx_vlm.models.fast_ops:exact_hc_normalized_norm",
+        "mlx_vlm.models.fast_ops:exact_hc_expand",
+        "mlx_vlm.models.switch_layers:MoE.__call__",
     ),
     uses=("glm53_patches.kernels.hc_sinkhorn", "glm53_patches.kernels.build"),
     numerics="exact",

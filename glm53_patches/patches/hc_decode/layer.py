@@ -1,8 +1,9 @@
-"""A glm5_next decoder layer at single-token decode, hyper-connections fused.
+"""A glm5_next decoder layer at decode, hyper-connections fused.
 
 ``decode_step(layer, x, mask, cache, prev_topk_indices)`` returns what
-``DecoderLayer.__call__`` returns for ``L == 1``, or None, having touched
-nothing, where the stock code must run. Stock runs each decoder layer as
+``DecoderLayer.__call__`` returns for a decode token or a short block
+(``L <= DECODE_BLOCK_SIZE``, 8: speculative verify blocks), or None, having
+touched nothing, where the stock code must run. Stock runs each decoder layer as
 ``attn_hc.apply_branch(x, input_layernorm, self_attn, ...)`` then
 ``ffn_hc.apply_branch(x, post_attention_layernorm, mlp)``. At ``L == 1`` each
 ``apply_branch`` builds, op by op, the hyper-connection collapse
@@ -17,6 +18,12 @@ functions, so one graph is built once per shape and replayed:
                                        post, comb
     mlp
     hc_expand                       (the stock compiled _hc_expand_op)
+
+A short block (1 < L <= 8) takes the same path, because off Metal stock's
+``apply_branch`` does too: its exact short-block kernels are Metal-only, and
+the mix matmul runs per position inside ``HyperConnection._mix`` either way.
+The one difference is kept: an MoE branch gets the residual and expands it
+itself (``SwitchGLU._combine``). On Metal short blocks go to stock.
 
 The functions *call* mlx-vlm's own ``HyperConnection.__call__``/``_mix``,
 ``hc_expand`` and the norm modules on parameter-free copies bound to traced
@@ -36,6 +43,7 @@ import logging
 import mlx.core as mx
 
 from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
+from mlx_vlm.models.switch_layers import MoE
 
 from glm53_patches import config, verify_records
 from glm53_patches.log import once
@@ -205,8 +213,12 @@ def expand_collapse(hc, norm, out, x, post, comb, kernel):
 
 def _why_not(layer, x):
     """The reason to run the stock layer, or None when the fused path applies."""
-    if x.ndim != 4 or x.shape[1] != 1:
+    if x.ndim != 4 or not 1 <= x.shape[1] <= _hc.DECODE_BLOCK_SIZE:
         return "length"
+    if x.shape[1] > 1 and hc_sinkhorn.gpu_backend() == "metal":
+        # On Metal stock's apply_branch runs short blocks through its own exact
+        # kernels (exact_hc_norm, exact_hc_expand, the MoE's fused residual).
+        return "metal verify block"
     if layer.training or layer.attn_hc.training or layer.ffn_hc.training:
         return "training"
     hc_class = _hc.HyperConnection
@@ -242,8 +254,13 @@ def decode_step(layer, x, mask=None, cache=None, prev_topk_indices=None):
     kernel = use_kernel(ffn_hc, x)
     x, h, post, comb = expand_collapse(ffn_hc, layer.post_attention_layernorm, out, x, post, comb, kernel)
     stats.hit("kernel" if kernel else "compiled")
-    out = layer.mlp(h)
     stats.hit("layer")
+    if x.shape[1] > 1:
+        stats.hit("block")
+        if isinstance(layer.mlp, MoE):
+            # apply_branch hands a short block's residual to the MoE, which expands it itself.
+            return layer.mlp(h, residual=(x, post, comb)), topk
+    out = layer.mlp(h)
     return _hc.hc_expand(out, x, post, comb, use_kernel=True), topk
 
 

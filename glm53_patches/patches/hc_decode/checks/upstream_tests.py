@@ -1,7 +1,8 @@
 """glm5_next's fused hyper-connection decode layer is bit-identical to the stock decode.
 
-MLX_VLM_GLM5_HC_DECODE=1 sends single-token decode of a DecoderLayer through
-hc_decode.decode_step: the hyper-connection collapse, branch norm and expand
+MLX_VLM_GLM5_HC_DECODE=1 sends decode of a DecoderLayer (one token, or a
+short block of up to 8: a speculative verify block or a short prompt; off
+Metal) through hc_decode.decode_step: the hyper-connection collapse, branch norm and expand
 as mx.compile'd graphs (and, with MLX_VLM_GLM5_HC_DECODE_KERNEL=1 on CUDA,
 the Sinkhorn collapse as one kernel launch). These tests turn it on per test,
 compare logits, layer outputs and caches with the stock code on raw bits, and
@@ -13,7 +14,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_map, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from mlx_vlm.models.cache import ArraysCache
 from mlx_vlm.models.deepseek_v4.hyper_connection import HyperConnection
@@ -177,9 +178,48 @@ def test_model_greedy_logits_bitwise(served, case):
     for step, (e, a) in enumerate(zip(expected, actual)):
         assert_bitwise(e, a, f"logits, token {step}")
     layers = len(model.layers)
-    # The prefill runs the stock code once per layer; every decode step is served.
-    assert served.count(False) == layers
-    assert served.count(True) == layers * STEPS
+    # The prompts are short blocks (up to 8 tokens): the prefill is served too, like every step.
+    assert max(map(len, prompts)) <= 8
+    assert served == [True] * layers * (STEPS + 1)
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_verify_blocks_match_stock_bitwise(served, case):
+    """Speculative verify blocks of 2 to 8 tokens, each committed in part (a rollback): every block's
+    logits and the caches after it equal the stock code's."""
+    from mlx_vlm.speculative.cache_state import start_speculative_cache
+
+    dtype, bits, prompts = MODEL_CASES[case]
+    model = small_model(dtype, bits)
+
+    def speculate():
+        caches = model.make_cache() if len(prompts) == 1 else None
+        if caches is None:
+            from mlx_vlm.generate.ar import _make_cache
+
+            width = max(map(len, prompts))
+            caches = _make_cache(model, [width - len(p) for p in prompts])
+        width = max(map(len, prompts))
+        model(mx.array([[0] * (width - len(p)) + p for p in prompts]), cache=caches)
+        out = []
+        for length in range(2, 9):
+            block = mx.array([[(7 * length + 3 * i + row) % 256 for i in range(length)] for row in range(len(prompts))])
+            transaction = start_speculative_cache(caches, length)
+            out.append(model(block, cache=caches).logits)
+            mx.eval(out[-1])
+            transaction.commit([1 + (length + row) % length for row in range(len(prompts))])
+        return out, [a for _, a in tree_flatten([c.state for c in caches])]
+
+    expected = stock(speculate)
+    actual = speculate()
+    for name, e, a in zip(("logits", "caches"), expected, actual):
+        assert len(e) == len(a)
+        for i, (x, y) in enumerate(zip(e, a)):
+            if x is None or y is None:  # an empty cache slot
+                assert x is y, f"{name} {i}"
+            else:
+                assert_bitwise(x, y, f"{name} {i}")
+    assert served == [True] * len(model.layers) * 8  # the prefill (a short block) and 7 blocks
 
 
 def kda_layer(dtype=mx.float32, seed=0):
@@ -245,7 +285,7 @@ def _other_module(layer):
 
 STOCK_CASES = {
     # name: (prepare the layer, tokens)
-    "prefill": (None, 3),
+    "prefill": (None, 9),  # longer than a short block
     "training": (_training, 1),
     "module type": (_other_module, 1),
 }
@@ -310,7 +350,7 @@ def test_forced_kernel_matches_stock(served):
         actual = greedy_logits(model, [PROMPT], 6)
     for step, (e, a) in enumerate(zip(expected, actual)):
         assert_bitwise(e, a, f"logits, token {step}")
-    assert served.count(True) == len(model.layers) * 6
+    assert served == [True] * len(model.layers) * 7  # the 7-token prefill and 6 steps
 
 
 def test_compiled_constant_is_what_mx_compile_bakes():

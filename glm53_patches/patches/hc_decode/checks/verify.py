@@ -8,9 +8,12 @@ bit for bit, the patched path against the stock code on the same backend:
    (hidden 4096, 4 streams, 20 Sinkhorn iterations), bf16 and fp32
    activations, batch 1 and 4;
 2. layer: a real-width ``DecoderLayer`` (hidden 4096, a small KDA branch and a
-   dense MLP) over a few decode steps, batch 1 and 2, bf16 and fp32;
+   dense MLP) over a few decode steps and blocks of 8 tokens, batch 1 and 2,
+   bf16 and fp32;
 3. model: greedy decode of the tiny random-weight model, fp32 and 4-bit,
-   comparing every step's logits.
+   comparing every step's logits; then speculative verify blocks of 2 to 8
+   tokens (``tiny_model.speculative_outputs``): every block's logits and the
+   caches after the rollbacks.
 
 On a GPU backend steps 2 and 3 run twice, with the kernel forced on and off,
 so a passing record covers both paths. Nothing global is patched: the patched
@@ -146,16 +149,16 @@ def check_kernel(tally, hidden=4096, seeds=4, dtypes=(mx.bfloat16, mx.float32), 
                 tally.compare(f"kernel {backend} seed {seed} {dtype} B={batch}", expected, actual)
 
 
-def check_layer(tally, dtypes=(mx.bfloat16, mx.float32), batches=(1, 2), steps=3, hidden=4096):
-    """A real-width DecoderLayer, stock against patched, over a few decode steps."""
+def check_layer(tally, dtypes=(mx.bfloat16, mx.float32), batches=(1, 2), lengths=(1, 8), steps=3, hidden=4096):
+    """A real-width DecoderLayer, stock against patched, over a few decode steps (or short blocks)."""
     from mlx_vlm.models.cache import ArraysCache
 
     stock = stock_layer_call()
     for dtype in dtypes:
         layer, config = real_width_layer(dtype, hidden=hidden)
-        for batch in batches:
+        for batch, length in ((b, n) for b in batches for n in lengths):
             inputs = [
-                mx.random.normal((batch, 1, config.hc_mult, hidden), key=mx.random.key(50 + s)).astype(dtype)
+                mx.random.normal((batch, length, config.hc_mult, hidden), key=mx.random.key(50 + s)).astype(dtype)
                 for s in range(steps)
             ]
             expected, cache = [], ArraysCache(size=2)
@@ -168,7 +171,7 @@ def check_layer(tally, dtypes=(mx.bfloat16, mx.float32), batches=(1, 2), steps=3
                     for x in inputs:
                         actual.append(layer(x, None, cache)[0])
                 actual += [a for a in cache.cache]
-                name = f"layer hidden {hidden} {dtype} B={batch} kernel={'on' if kernel else 'off'}"
+                name = f"layer hidden {hidden} {dtype} B={batch} L={length} kernel={'on' if kernel else 'off'}"
                 tally.compare(name, expected, actual)
 
 
@@ -224,10 +227,13 @@ def check_model(tally, steps=16, quantize=(None, 4)):
             except RuntimeError as exc:  # stock itself cannot run it here: nothing to compare
                 tally.notes.append(f"{label} skipped: stock raised {str(exc).splitlines()[0][:120]}")
                 continue
+            blocks = tiny_model.speculative_outputs(language_model, prompt)
             for kernel in kernel_modes():
                 with _layer.forcing_kernel(kernel), patched_instances(language_model.layers):
                     actual = tiny_model.greedy_logits(language_model, prompt, steps)
+                    actual_blocks = tiny_model.speculative_outputs(language_model, prompt)
                 tally.compare(f"{label} kernel={'on' if kernel else 'off'}", expected, actual)
+                tally.compare(f"{label} verify blocks kernel={'on' if kernel else 'off'}", blocks, actual_blocks)
 
 
 def verify():

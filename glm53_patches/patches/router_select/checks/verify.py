@@ -67,4 +67,4 @@ def verify():
     from .. import PATCH
     from ..gate import make_call, switch
 
-    return verify_gpu_kernel(PATCH, check_kernel, MoEGate, make_call, switch)
+    return verify_gpu_kernel(PATCH, check_kernel, MoEGate, make_call, switch, blocks=True)
