@@ -10,7 +10,7 @@ import pytest
 from test_layer_decode import DECODE, PROMPT, assert_same, cache_state, left_padded_batch
 
 import glm53_patches
-from glm53_patches.patches import compiled_kda_decode, hc_decode
+from glm53_patches.patches import compiled_kda_decode, dsa_decode, hc_decode
 from glm53_patches.tiny_model import build_model, speculative_logits
 
 ROUNDS = 10
@@ -44,6 +44,7 @@ def test_verify_blocks_bit_identical_with_every_decode_patch(language_model, bat
     assert all(state[name]["state"] == "applied" for name in [*DECODE, "layer_decode"]), state
     compiled_kda_decode.PATCH.stats.reset()
     hc_decode.PATCH.stats.reset()
+    dsa_decode.PATCH.stats.reset()
     try:
         patched = run()
     finally:
@@ -55,3 +56,6 @@ def test_verify_blocks_bit_identical_with_every_decode_patch(language_model, bat
     hc = hc_decode.PATCH.stats.snapshot()
     assert hc["hits"]["block"] == ROUNDS * len(language_model.layers), hc  # every block's every layer, fused
     assert "metal verify block" not in hc["fallbacks"], hc
+    dsa = dsa_decode.PATCH.stats.snapshot()
+    dsa_layers = len(language_model.layers) - kda
+    assert dsa["hits"]["block"] == ROUNDS * dsa_layers, dsa  # every block's DSA attention, row-gathered

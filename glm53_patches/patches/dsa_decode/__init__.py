@@ -16,8 +16,8 @@ PATCH = Patch(
         "Single-token decode of the DSA layers: the indexer keeps stock's projections, cache "
         "updates, pool scores and argpartition, then does pool-to-key expansion, ordering and "
         "tail as integer arithmetic in one compiled graph instead of context-sized tables, "
-        "cumsum and gathers; the attention gathers the selected latent rows as whole rows "
-        "instead of a per-element take_along_axis. On a GPU where `glm53-patches verify "
+        "cumsum and gathers; the attention (also in speculative verify blocks) gathers the "
+        "selected latent rows as whole rows instead of a per-element take_along_axis. On a GPU where `glm53-patches verify "
         "dsa_decode` passed, the selection after the pool scores is one kernel launch "
         "(up to 8,192 pools, 131k keys). Bit-identical to stock."
     ),

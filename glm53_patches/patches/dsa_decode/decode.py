@@ -213,22 +213,31 @@ def select_rows(latent, topk):
 
 
 def decode_attend(self, q, latent, new_latent, topk, kv_cache, projected_cache, last_only=False):
-    """``self._attend(...)`` for one decode token; None, having touched nothing, elsewhere."""
-    if q.shape[2] != 1 or self.training:
-        stats.fallback("not single-token decode")
+    """``self._attend(...)`` for a decode token or a short block (up to 8 tokens: speculative verify
+    blocks); None, having touched nothing, elsewhere."""
+    length = q.shape[2]
+    if length > _lang.DECODE_BLOCK_SIZE or self.training:
+        stats.fallback("not decode")
         return None
     if type(kv_cache) not in (KVCache, BatchKVCache) or not isinstance(latent, mx.array):
         stats.fallback("cache type")  # quantized latents attend through their own SDPA path
         return None
     batch = latent.shape[0]
-    selected, valid = select_rows(latent, topk)
-    query = self.embed_q(q)
-    output = _lang.scaled_dot_product_attention(
-        query, selected, selected, cache=kv_cache, scale=self.scale, mask=valid[:, None]
-    )
-    output = self.unembed_out(output)
-    stats.hit("attend")
-    return output.transpose(0, 2, 1, 3).reshape(batch, 1, -1), topk
+    outputs = []
+    # Stock attends a short block position by position, each over its own selected rows.
+    for index in range(length - 1 if last_only else 0, length):
+        selected, valid = select_rows(latent, topk[:, index : index + 1])
+        query = self.embed_q(q[:, :, index : index + 1])
+        output = _lang.scaled_dot_product_attention(
+            query, selected, selected, cache=kv_cache, scale=self.scale, mask=valid[:, None]
+        )
+        output = self.unembed_out(output)
+        if length > 1:
+            mx.async_eval(output)  # as stock: each position is sent off as soon as it is built
+        outputs.append(output)
+    stats.hit("attend" if length == 1 else "block")
+    out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
+    return out.transpose(0, 2, 1, 3).reshape(batch, len(outputs), -1), topk[:, -1:] if last_only else topk
 
 
 def make_attend(original):

@@ -61,9 +61,7 @@ def combine_call(self, x, args, residual, kwargs):
     if reason is not None:
         stats.fallback(reason)
         return None  # stock recomputes; nothing above was evaluated
-    stats.hit("kernel")
-    if x.shape[1] > 1:
-        stats.hit("block")
+    stats.hit("kernel" if x.shape[1] == 1 else "block")
     output = expert_combine(routed, weights, shared)
     return output if residual is None else hc_expand(output, *residual)
 

@@ -254,12 +254,10 @@ def decode_step(layer, x, mask=None, cache=None, prev_topk_indices=None):
     kernel = use_kernel(ffn_hc, x)
     x, h, post, comb = expand_collapse(ffn_hc, layer.post_attention_layernorm, out, x, post, comb, kernel)
     stats.hit("kernel" if kernel else "compiled")
-    stats.hit("layer")
-    if x.shape[1] > 1:
-        stats.hit("block")
-        if isinstance(layer.mlp, MoE):
-            # apply_branch hands a short block's residual to the MoE, which expands it itself.
-            return layer.mlp(h, residual=(x, post, comb)), topk
+    stats.hit("layer" if x.shape[1] == 1 else "block")
+    if x.shape[1] > 1 and isinstance(layer.mlp, MoE):
+        # apply_branch hands a short block's residual to the MoE, which expands it itself.
+        return layer.mlp(h, residual=(x, post, comb)), topk
     out = layer.mlp(h)
     return _hc.hc_expand(out, x, post, comb, use_kernel=True), topk
 

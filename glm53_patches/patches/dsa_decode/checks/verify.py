@@ -6,8 +6,10 @@
    compared exactly;
 2. the attention over the selected latent rows at real dimensions (64 heads,
    latent 512), bf16 (fp32 on the CPU), contexts 4k/16k, batch 1 and 2,
-   selections with -1 slots;
-3. greedy decode of the tiny random-weight model, batch 1 and 2, logits bit for bit;
+   selections with -1 slots; a decode token, and verify blocks of 4 tokens
+   (every position, and the last only);
+3. greedy decode of the tiny random-weight model, batch 1 and 2, logits bit
+   for bit; then its speculative verify blocks (logits and caches);
 4. on a GPU, 1 and 3 again with the one-launch selection kernel
    (``select_kernel.py``) forced on, 1 also at 32k and 128k keys (2,048 and
    8,192 pools: the kernel's capacity on CUDA); 1-3 run with it forced off.
@@ -71,8 +73,8 @@ def check_indexer(tally, stock, fast, contexts=(2040, 4096, 16384), batches=(1, 
             tally.compare(f"{label}indexer {dtype} ctx {context} B={batch}", *outputs)
 
 
-def _attention(dtype, context, batch):
-    """A real-dimension DSA attention (the parts decode reads) and ``_attend``'s inputs."""
+def _attention(dtype, context, batch, length=1):
+    """A real-dimension DSA attention (the parts decode reads) and ``_attend``'s inputs for ``length`` tokens."""
     from mlx_vlm.models.cache import KVCache
     from mlx_vlm.models.glm5_next.config import TextConfig
     from mlx_vlm.models.glm5_next.language import Glm5NextAttention
@@ -87,23 +89,26 @@ def _attention(dtype, context, batch):
     width = config.index_topk + config.index_kpool - 1
     key = iter(mx.random.split(mx.random.key(context + batch), 3))
     latent = mx.random.normal((batch, 1, context, config.kv_lora_rank), key=next(key)).astype(dtype)
-    q = mx.random.normal((batch, config.num_attention_heads, 1, config.qk_nope_head_dim), key=next(key)).astype(dtype)
-    topk = mx.random.randint(0, context, (batch, 1, width), key=next(key)).astype(mx.int32)
+    q = mx.random.normal((batch, config.num_attention_heads, length, config.qk_nope_head_dim), key=next(key)).astype(dtype)
+    topk = mx.random.randint(0, context, (batch, length, width), key=next(key)).astype(mx.int32)
     topk = mx.where(mx.arange(width) % 7 == 3, -1, topk)  # invalid slots, as padding leaves them
     mx.eval(attention.parameters(), latent, q, topk)
-    return attention, config, (q, latent, latent[:, :, -1:], topk, KVCache(), None)
+    return attention, config, (q, latent, latent[:, :, -length:], topk, KVCache(), None)
 
 
 def check_attend(tally, stock, fast, contexts=(4096, 16384), batches=(1, 2), dtype=None):
+    """Decode tokens, then verify blocks of 4 tokens (all positions, and the drafter's ``last_only``)."""
     from glm53_patches.registry import backend
 
     # bf16 as served; fp32 on the CPU, whose bf16 matmuls are very slow.
     dtype = dtype or (mx.float32 if backend() == "cpu" else mx.bfloat16)
-    for context in contexts:
-        for batch in batches:
-            attention, _, inputs = _attention(dtype, context, batch)
-            outputs = [list(fn(attention, *inputs)) for fn in (stock, fast)]
-            tally.compare(f"attend {dtype} ctx {context} B={batch}", *outputs)
+    for length, last_only in ((1, False), (4, False), (4, True)):
+        for context in contexts:
+            for batch in batches:
+                attention, _, inputs = _attention(dtype, context, batch, length)
+                outputs = [list(fn(attention, *inputs, last_only)) for fn in (stock, fast)]
+                block = "" if length == 1 else f" block of {length}{' last only' if last_only else ''}"
+                tally.compare(f"attend {dtype} ctx {context} B={batch}{block}", *outputs)
 
 
 def check_model(tally, stock, fast, steps=24, label=""):
@@ -118,17 +123,20 @@ def check_model(tally, stock, fast, steps=24, label=""):
         tally.notes.append(f"tiny model skipped: {exc}")
         return
     prompt = mx.array([[(7 * i + 3) % 500 for i in range(56)]])
+    runs = {"": lambda tokens: tiny_model.greedy_logits(language_model, tokens, steps),
+            " verify blocks": lambda tokens: tiny_model.speculative_outputs(language_model, tokens)}
     for batch, tokens in ((1, prompt), (2, mx.concatenate([prompt, prompt[:, ::-1]]))):
-        results = []
-        for functions in (stock, fast):
-            try:
-                for (owner, attr), fn in zip(slots, functions):
-                    setattr(owner, attr, fn)
-                results.append(tiny_model.greedy_logits(language_model, tokens, steps))
-            finally:
-                for (owner, attr), fn in zip(slots, installed):
-                    setattr(owner, attr, fn)
-        tally.compare(f"{label}tiny model fp32 B={batch}", *results)
+        for what, run in runs.items():
+            results = []
+            for functions in (stock, fast):
+                try:
+                    for (owner, attr), fn in zip(slots, functions):
+                        setattr(owner, attr, fn)
+                    results.append(run(tokens))
+                finally:
+                    for (owner, attr), fn in zip(slots, installed):
+                        setattr(owner, attr, fn)
+            tally.compare(f"{label}tiny model fp32 B={batch}{what}", *results)
 
 
 def verify():
