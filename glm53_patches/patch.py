@@ -57,6 +57,11 @@ class Patch:
     # On a target it shares with these patches, this one is called first (it wraps theirs and hands
     # them what it does not take), whatever the order in which they were applied.
     runs_before: Tuple[str, ...] = ()
+    # True: its targets change only calls of more than one token (prefill) and hand a decode step's
+    # single token on untouched, so a patch that traces whole decode steps (layer_decode) may run
+    # around it. Any other patch on the code a step runs makes layer_decode step aside, unless it is
+    # one layer_decode composes by name.
+    prefill_only: bool = False
     # Modules (or packages) outside its own folder whose code it runs: with its folder they make the
     # code digest a `verify` record is keyed by, so an edit there voids the record (and nothing else does).
     uses: Tuple[str, ...] = ()

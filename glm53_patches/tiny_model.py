@@ -283,6 +283,15 @@ def _json(obj):
     return json.dumps(obj, indent=4, sort_keys=True) + "\n"
 
 
+def gpu_widths():
+    """Overrides that make every quantized matmul's input width, and the MLA's per-head widths, 128
+    (as in the real model): MLX 0.32.4's CUDA quantized_matmul has no kernel for the tiny model's
+    64-wide per-head MLA projections (an H200 raised on 40x64x64 x 4 heads)."""
+    kda = tiny_config()["text_config"]["linear_attn_config"]
+    wide = ("moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_head_dim")
+    return {**dict.fromkeys(wide, 128), "linear_attn_config": {**kda, "head_dim": 128}}
+
+
 def greedy_logits(language_model, tokens, steps, cache=None):
     """Prefill ``tokens`` ([B, L]), then ``steps`` greedy single-token steps.
 

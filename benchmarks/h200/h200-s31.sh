@@ -1,33 +1,32 @@
 #!/usr/bin/env bash
-# Next session's plan (not yet run), three foreground calls of one machine, each tarring /root/res
+# Next session's plan (not yet run), five foreground calls of one machine, each tarring /root/res
 # to $OUT itself (the machine is released 30 s after a call):
-#   part 1: CUDA verify, in parallel, of the exact prefill set (exact_kda_prefill,
-#           exact_sparse_prefill, dequantized_linear), hc_decode, and layer_decode (its digest changed
-#           after s30: it composes dequantized_linear); dequantized_linear alone took 487 s cold in s30,
-#           hence the longer limit; records merged into /root/state. Beside them, the changing
-#           patches' quality gate on CUDA (s25's stopped after 5 of 8 rows). Then what a
+#   part 1: CUDA verify, in parallel, of the exact prefill patches whose digests changed after s30
+#           (exact_kda_prefill, exact_sparse_prefill, dequantized_linear, dequantized_experts,
+#           gathered_prefill: `prefill_only` declared in their __init__); dequantized_linear alone took
+#           487 s cold in s30, hence the longer limit; records merged into /root/state. Beside them, the
+#           changing patches' quality gate on CUDA (s25's stopped after 5 of 8 rows). Then what a
 #           hyper-connection costs at prefill and what hc_decode's kernel would save there;
+#   part d: CUDA verify of the decode patches whose digests changed (hc_decode, expert_combine,
+#           router_select, dsa_decode: they now take speculative verify blocks; layer_decode; exact_qmv:
+#           its verify takes gpu_widths from tiny_model now);
 #   part 2: the 45-layer 4k prefill, 2 interleaved rounds, stock the untimed reference: the exact set
 #           with its kernels on (by their records) without and with dequantized_linear (never run
 #           together), and the changing set without and with it (s30 measured dequantized_linear's
 #           first version there); then where a chunk of the fastest set goes;
 #   part 3: dequantized_linear at every 64th row count from its threshold to 4,096 (verify checks five),
 #           then s29's decode comparison (exact_qmv at 5 rounds), if the budget allows;
-#   part 4: speculative verify blocks (issue 16) now that hc_decode, expert_combine and router_select
-#           run in them: blocks of 1-4 tokens at 256 and 4,096 tokens of context, stock against the
-#           exact decode set with and without layer_decode, every block checked bit for bit. Needs
-#           part 1's records for hc_decode, router_select and expert_combine (their digests changed
-#           after s30), or their kernels stay off on auto.
-# Part 1 verifies eight patches in parallel; dequantized_linear alone took 487 s cold in s30. If the
-# machine is slow, run the decode four (VERIFY="hc_decode layer_decode router_select expert_combine")
-# in a call of their own first.
+#   part 4: speculative verify blocks (issue 16): blocks of 1-4 tokens at 256 and 4,096 tokens of
+#           context, stock against the exact decode set with and without layer_decode, every block
+#           checked bit for bit (kernels forced on, so it does not need part d's records).
+# With 30 device minutes, run d then 4 first (issue 16's figures), then 1 and 2.
 # Usage: h200-s31.sh PART BUDGET
 PART=${1:-1}
 BUDGET=${2:-560}
 . "$(dirname "$0")/stages.sh"
 if [ "$PART" = 1 ]; then
   par quality_changing 500 $PY "$(dirname "$0")/quality_changing.py" --out $RES/quality_changing.json  # s25's stopped at 180 s
-  VERIFY_LIMIT=520 verify_all ${VERIFY:-exact_kda_prefill exact_sparse_prefill dequantized_linear hc_decode layer_decode router_select expert_combine}
+  VERIFY_LIMIT=520 verify_all ${VERIFY:-exact_kda_prefill exact_sparse_prefill dequantized_linear dequantized_experts gathered_prefill}
   stage micro_hc_prefill 60 $PY "$(dirname "$0")/micro_hc_prefill.py" --out $RES/micro_hc_prefill.json
 elif [ "$PART" = 2 ]; then
   merge_ptx
@@ -40,7 +39,12 @@ elif [ "$PART" = 2 ]; then
   stage profile_fastest 120 $PY "$(dirname "$0")/profile_prefill_chunk.py" --context 4096 --experts 64 \
     --patches kda_prefill_kernel,latent_prefill,dequantized_experts,batched_experts,dequantized_linear \
     --out $RES/profile_fastest.json
+elif [ "$PART" = d ]; then
+  VERIFY_LIMIT=520 verify_all ${VERIFY:-hc_decode layer_decode router_select expert_combine dsa_decode exact_qmv}
 elif [ "$PART" = 4 ]; then
+  # Kernels forced on: the bench checks every block against stock bit for bit, records or not.
+  export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
+    GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1
   D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode
   stage verify_blocks $(( $(left) - 20 )) $B --layers 45 --experts 64 --sections verify --contexts 256,4096 \
     --prefill '' --verify-blocks 1,2,3,4 --arms stock,$D,$D+layer_decode --rounds 3 --steps 6 --warmup 2 \

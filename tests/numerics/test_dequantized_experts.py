@@ -154,7 +154,8 @@ def test_the_gpu_verify_model_is_wide_and_exact_here():
     from mlx_vlm.models.switch_layers import MoE
 
     from glm53_patches.exactness import Tally
-    from glm53_patches.patches.dequantized_experts.checks.verify import _forced_below_the_tiny_prompt, gpu_widths
+    from glm53_patches.patches.dequantized_experts.checks.verify import _forced_below_the_tiny_prompt
+    from glm53_patches.tiny_model import gpu_widths
 
     model = build_model(seed=1, quantize_bits=4, **gpu_widths())
     for name, module in model.language_model.named_modules():

@@ -47,7 +47,7 @@ def counts():
 def six_bit_model():
     """The tiny model at 6 bits, served in bf16 (the kernel's dtypes), every quantized width 128 (as on a GPU)."""
     from glm53_patches.exactness import _served_dtype
-    from glm53_patches.patches.dequantized_experts.checks.verify import gpu_widths
+    from glm53_patches.tiny_model import gpu_widths
 
     return _served_dtype(build_model(seed=2, quantize_bits=6, **gpu_widths()), mx.bfloat16).language_model
 

@@ -429,6 +429,40 @@ def test_composes_with_a_prefill_patch_on_linear(q4_model, monkeypatch):
     linear.clear()
 
 
+PREFILL_ONLY = sorted(name for name, patch in registry.available().items() if patch.prefill_only)
+
+
+def test_the_prefill_patches_declare_it():
+    # The MoE and linear prefill patches among them: with batched_experts not declared, GLM53_PATCHES=all
+    # plus batched_experts made every decode step step aside ("batched_experts patches MoE.__call__").
+    assert {"batched_experts", "dequantized_experts", "dequantized_linear"} <= set(PREFILL_ONLY)
+
+
+@pytest.mark.parametrize("name", PREFILL_ONLY)
+def test_a_prefill_only_patch_leaves_every_step_on_this_path(q4_model, name):
+    """A patch declaring ``prefill_only``: decode steps stay compiled with the bits the patch alone gives
+    (stock's, for an exact one), and none of them is a hit of the patch (it hands each single token on)."""
+    language_model = q4_model.language_model
+    prompt = mx.array([PROMPT * 2])  # 24 tokens: a prefill, past the 8-token short blocks
+    enable(name)
+    alone = decode(language_model, prompt, steps=8)
+    glm53_patches.disable()
+    enable(name, NAME)
+    patch = registry.available()[name]
+    cache = language_model.make_cache()
+    logits = [language_model(prompt, cache=cache).logits[:, -1]]
+    mx.eval(logits)
+    prefill_hits = patch.stats.snapshot()["hits"]
+    for _ in range(8):
+        logits.append(language_model(mx.argmax(logits[-1], axis=-1)[:, None], cache=cache).logits[:, -1])
+        mx.eval(logits[-1])
+    assert patch.stats.snapshot()["hits"] == prefill_hits
+    assert_same_decode(alone, (logits, cache))
+    hits, fallbacks = counts()
+    assert {k: v for k, v in hits.items() if "layer" in k} == expected_hits(language_model, 8)
+    assert fallbacks == {"length": 1}
+
+
 def test_revert_restores_the_original_object(fp32_model):
     from mlx_vlm.models.glm5_next import language
 

@@ -18,6 +18,7 @@ PATCH = Patch(
         "The same products summed in another order: numerics-changing, quality-gated."
     ),
     targets={f"{_SWITCH}:MoE.__call__": lazy(f"{__name__}.experts", "make_call")},
+    prefill_only=True,  # a decode step's single token is handed on untouched
     relies_on=(
         f"{_SWITCH}:SwitchGLU.__call__",
         f"{_SWITCH}:SwitchGLU._combine",

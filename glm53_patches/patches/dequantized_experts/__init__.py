@@ -20,6 +20,7 @@ PATCH = Patch(
         "`glm53-patches verify dequantized_experts` passed; bit-identical to stock there."
     ),
     targets={f"{_SWITCH}:MoE.__call__": lazy(f"{__name__}.experts", "make_call")},
+    prefill_only=True,  # a decode step's single token is handed on untouched
     relies_on=(
         f"{_SWITCH}:SwitchGLU.__call__",
         f"{_SWITCH}:SwitchLinear.__call__",

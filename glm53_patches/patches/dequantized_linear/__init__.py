@@ -20,6 +20,7 @@ PATCH = Patch(
         "dequantized_linear` passed; bit-identical to stock there."
     ),
     targets={f"{GLM5_NEXT}:linear": lazy(f"{__name__}.linear", "make_linear")},
+    prefill_only=True,  # a decode step's single token is handed on untouched
     relies_on=(f"{_LINEAR}:linear", f"{_LINEAR}:DECODE_BLOCK_SIZE"),
     numerics="exact",
     needs_verify_on=("cuda", "metal"),  # its fast path swaps a kernel; on the CPU it runs only when forced

@@ -20,6 +20,7 @@ PATCH = Patch(
         "passed; bit-identical to stock there. Elsewhere stock's loop."
     ),
     targets={f"{_GATED}:gated_delta_ops": lazy(f"{__name__}.recurrence", "make_call")},
+    prefill_only=True,  # a decode step's single token is handed on untouched
     relies_on=(
         f"{_GATED}:_gated_delta_step_ops",
         f"{_GATED}:gated_delta_update",

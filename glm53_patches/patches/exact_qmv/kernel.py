@@ -17,9 +17,10 @@ lane in flight; the loop's trip count is a runtime value.
 This kernel does the same arithmetic with the same cutlass functions
 (``NumericArrayConverter``, ``Array`` operators, ``cutlass::fma``) in the same
 order per row. What changes is only when bytes are loaded: K is a compile-time
-constant, the passes are unrolled, and ``AHEAD`` passes' weights, scales,
-biases and inputs are loaded before the first of them is used, so a lane keeps
-``AHEAD`` times the bytes in flight. A warp may own ``RPW`` rows (each with
+constant and the passes are unrolled, so the compiler can issue several
+passes' loads before their FMAs; ``AHEAD`` > 1 also loads that many passes'
+weights, scales, biases and inputs explicitly before the first is used (the
+default, 1, measured best on an H200). A warp may own ``RPW`` rows (each with
 its own sums and its own reduce), which reads the input once for them.
 Which row a warp owns, and how many warps a block has (``WARPS``), changes no
 arithmetic.

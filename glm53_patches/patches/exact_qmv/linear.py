@@ -14,7 +14,6 @@ function that was installed before, counted by reason.
 import functools
 from typing import Optional
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from glm53_patches.backend import gpu_backend

@@ -19,6 +19,7 @@ PATCH = Patch(
         "same values, bit-identical to stock."
     ),
     targets={f"{GLM5_NEXT}:_sparse_prefill_attention": lazy(f"{__name__}.attention", "make_sparse_prefill")},
+    prefill_only=True,  # a decode step's single token is handed on untouched
     relies_on=(
         f"{GLM5_NEXT}:_sparse_head_gather",
         f"{GLM5_NEXT}:Glm5NextAttention._attend",

@@ -25,6 +25,7 @@ PATCH = Patch(
         "loop; float32 like stock, not bit-identical."
     ),
     targets={f"{GLM5_NEXT}:Glm5NextLinearAttention.__call__": lazy(f"{__name__}.mixer", "make_call")},
+    prefill_only=True,  # a decode step's single token is handed on untouched
     relies_on=(
         f"{GLM5_NEXT}:Glm5NextLinearAttention.__init__",
         f"{GLM5_NEXT}:ShortConv1d.__init__",

@@ -19,6 +19,7 @@ PATCH = Patch(
         "selection as a mask. Same math, other rounding: numerics-changing, quality-gated."
     ),
     targets={f"{GLM5_NEXT}:Glm5NextAttention._attend": lazy(f"{__name__}.attend", "make_attend")},
+    prefill_only=True,  # a decode step's single token is handed on untouched
     relies_on=(
         f"{GLM5_NEXT}:Glm5NextAttention.__call__",
         f"{GLM5_NEXT}:Glm5NextAttention.__init__",

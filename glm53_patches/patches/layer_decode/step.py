@@ -47,7 +47,8 @@ from .counts import Tally
 
 stats = PATCH.stats
 
-# Patches whose code this one runs, and how (the report lists the applied ones).
+# Decode patches whose code this one traces, and how (the report lists the applied ones). A
+# patch that declares `prefill_only` composes too: a step's single token passes it untouched.
 COMPOSES = {
     "hc_decode": "hyper-connections, its kernel where it runs",
     "compiled_kda_decode": "traced in KDA layers",
@@ -57,13 +58,6 @@ COMPOSES = {
     "dsa_decode": "eager indexer, row gather",
     "exact_qmv": "traced: the decode projections' matvec",
     "indexer_fp32": "eager indexer",
-    "kda_prefill_kernel": "prefill",
-    "exact_kda_prefill": "prefill (a decode step's single token goes to stock's loop)",
-    "exact_sparse_prefill": "prefill (more than 8 tokens)",
-    "dequantized_experts": "prefill",
-    "dequantized_linear": "prefill (more than 8 tokens; a decode step's projections go to the installed linear)",
-    "gathered_prefill": "prefill",
-    "latent_prefill": "prefill",
 }
 # Model code a decode step never calls: a patch on it alone (vault_cache's load-time
 # weights fingerprint) leaves the step as it is.
@@ -144,7 +138,7 @@ def _refusal(applied):
     """Why no step may take this path (a patch on model code that this one does not run), or None."""
     patches = registry.available()
     for name in applied:
-        if name == PATCH.name or name in COMPOSES or name not in patches:
+        if name == PATCH.name or name in COMPOSES or name not in patches or patches[name].prefill_only:
             continue
         touched = [t for t in patches[name].targets
                    if t.startswith(("mlx_vlm.models.", "mlx.")) and not t.endswith(OFF_THE_STEP)]
@@ -396,6 +390,8 @@ def report():
     traces = list(_layer.TRACES)
     seconds = sum(t[2] for t in traces)
     applied = [n for n in registry.applied() if n in COMPOSES]
+    patches = registry.available()
+    prefill = [n for n in registry.applied() if n in patches and patches[n].prefill_only]
     parts = []
     if kinds:
         parts.append("layers: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))
@@ -404,6 +400,8 @@ def report():
                  + (f", batch sizes {sorted({t[1][0][0][0] for t in traces})}" if traces else ""))
     if applied:
         parts.append("runs " + ", ".join(f"{n} ({COMPOSES[n]})" for n in applied))
+    if prefill:
+        parts.append("leaves to prefill " + ", ".join(prefill))
     return "; ".join(parts)
 
 

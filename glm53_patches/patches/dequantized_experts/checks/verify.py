@@ -22,22 +22,11 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
+from glm53_patches import tiny_model
 from glm53_patches.exactness import Tally, compare_tiny_models
 from glm53_patches.registry import backend
 
 WIDTHS = {"gpu": (4096, 2048, 64, 8, mx.bfloat16), "cpu": (512, 256, 16, 4, mx.float32)}
-
-
-def gpu_widths():
-    """Tiny-model overrides that make every quantized matmul's input width, and the
-    MLA's per-head widths, 128 (as in the real model): MLX 0.32.4's CUDA
-    quantized_matmul has no kernel for the tiny model's 64-wide per-head MLA
-    projections (an H200 raised on 40x64x64 x 4 heads)."""
-    from glm53_patches import tiny_model
-
-    kda = tiny_model.tiny_config()["text_config"]["linear_attn_config"]
-    wide = ("moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_head_dim")
-    return {**dict.fromkeys(wide, 128), "linear_attn_config": {**kda, "head_dim": 128}}
 
 
 def check_projections(tally, on_gpu):
@@ -129,7 +118,7 @@ def check_tiny_models(tally, on_gpu):
     stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
     variants = [(f"{bits}-bit", bits, mx.bfloat16 if on_gpu else None) for bits in (4, 8)]
     compare_tiny_models(tally, MoE, "__call__", stock, experts.make_call(stock), _forced_below_the_tiny_prompt,
-                        variants=variants, config=gpu_widths() if on_gpu else None)
+                        variants=variants, config=tiny_model.gpu_widths() if on_gpu else None)
 
 
 def verify():

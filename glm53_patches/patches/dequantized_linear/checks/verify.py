@@ -23,6 +23,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
+from glm53_patches import tiny_model
 from glm53_patches.exactness import Tally, compare_tiny_models
 from glm53_patches.registry import backend
 
@@ -114,15 +115,14 @@ def check_tiny_models(tally, on_gpu):
     from mlx_vlm.models.glm5_next import language
 
     from glm53_patches import registry
-    # The tiny model at widths MLX's CUDA quantized_matmul has kernels for (shared with exact_qmv).
-    from glm53_patches.patches.dequantized_experts.checks.verify import gpu_widths
+    # The tiny model at widths MLX's CUDA quantized_matmul has kernels for (tiny_model.gpu_widths).
 
     from .. import PATCH, linear
 
     stock = registry.upstream(next(iter(PATCH.targets)))  # stock even while patches are applied
     variants = [(f"{bits}-bit", bits, mx.bfloat16 if on_gpu else None) for bits in (4, 6, 8)]
     compare_tiny_models(tally, language, "linear", stock, linear.make_linear(stock), _forced_below_the_tiny_prompt,
-                        variants=variants, config=gpu_widths() if on_gpu else None)
+                        variants=variants, config=tiny_model.gpu_widths() if on_gpu else None)
 
 
 def verify():

@@ -23,6 +23,7 @@ import time
 
 import mlx.core as mx
 
+from glm53_patches import tiny_model
 from glm53_patches.exactness import Tally, abs_diff, compare_tiny_models, same_bits
 from glm53_patches.backend import current as backend
 
@@ -108,7 +109,6 @@ def check_tiny_models(tally, on_gpu):
     from mlx_vlm.models.glm5_next import language
 
     from glm53_patches import registry
-    from glm53_patches.patches.dequantized_experts.checks.verify import gpu_widths
 
     from .. import PATCH
     from ..linear import _replacement, switch
@@ -119,7 +119,7 @@ def check_tiny_models(tally, on_gpu):
         attr = target.rsplit(":", 1)[1]
         stock = registry.upstream(target)  # stock even while patches are applied
         compare_tiny_models(tally, language, attr, stock, _replacement(stock), lambda: switch.forcing(True),
-                            variants=variants, config=gpu_widths() if on_gpu else None)
+                            variants=variants, config=tiny_model.gpu_widths() if on_gpu else None)
 
 
 def verify():
