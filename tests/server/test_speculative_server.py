@@ -56,6 +56,9 @@ def test_speculative_answers_and_acceptance_equal_stock(server_factory, tiny_q4_
     # rounds * KDA_LAYERS calls; streamed and concurrent requests add more).
     assert verify_blocks >= rounds * KDA_LAYERS and verify_blocks % KDA_LAYERS == 0, (verify_blocks, rounds)
     assert "speculating" not in kda["stats"]["fallbacks"], kda["stats"]
-    # hc_decode took every layer of the verify blocks (the blocks longer than one token).
+    # hc_decode took every layer of the verify blocks longer than one token, dsa_decode their DSA
+    # attention (and the drafter's, whose replays of accepted tokens are short blocks too).
     hc = report["patches"]["hc_decode"]["stats"]
     assert hc["hits"]["block"] >= rounds * LAYERS // 2 and hc["hits"]["block"] % LAYERS == 0, (hc, rounds)
+    dsa = report["patches"]["dsa_decode"]["stats"]
+    assert dsa["hits"]["block"] >= hc["hits"]["block"] // LAYERS * (LAYERS - KDA_LAYERS), (dsa, hc)
