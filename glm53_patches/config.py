@@ -229,6 +229,23 @@ def knob_value(patch: str, name: str, spec: Knob, default):
     return value
 
 
+class CachedKnob:
+    """A patch's knob read on first use and kept: ``knob()`` is its value; ``clear()`` reads it again
+    next time; setting ``value`` overrides it (checks and benchmarks that force a threshold)."""
+
+    def __init__(self, patch, name: str, default):
+        self.patch, self.name, self.default = patch, name, default
+        self.value = None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = knob_value(self.patch.name, self.name, self.patch.knobs[self.name], self.default)
+        return self.value
+
+    def clear(self):
+        self.value = None
+
+
 def knob_problems(patches, environ=None) -> Tuple[List[str], List[str]]:
     """(errors, warnings) for every GLM53_* variable: bad values of declared knobs, unknown names.
 

@@ -25,7 +25,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out")
     a = p.parse_args()
-    linear._min_tokens = 1
+    linear.min_tokens.value = 1
     results = {}
     with linear.switch.forcing(True):
         for path, module in model_projections(ON_GPU):

@@ -30,15 +30,8 @@ stats = PATCH.stats
 switch = KernelSwitch(PATCH.name, backends=("cuda", "metal", "cpu"), knob="fast_path", auto_backends=("cuda", "cpu"))
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 DEFAULT_MIN_TOKENS = 256
-_min_tokens = None
-
-
-def min_tokens():
-    """GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS: the smallest chunk (tokens per row) that dequantizes."""
-    global _min_tokens
-    if _min_tokens is None:
-        _min_tokens = config.knob_value(PATCH.name, "min_tokens", PATCH.knobs["min_tokens"], DEFAULT_MIN_TOKENS)
-    return _min_tokens
+# GLM53_DEQUANTIZED_EXPERTS_MIN_TOKENS: the smallest chunk (tokens per row) that dequantizes.
+min_tokens = config.CachedKnob(PATCH, "min_tokens", DEFAULT_MIN_TOKENS)
 
 
 def dequantized(projection):
@@ -125,9 +118,8 @@ def dequantizing_copy(self, x):
 
 
 def clear():
-    global _min_tokens
     switch.clear()
-    _min_tokens = None
+    min_tokens.clear()
 
 
 def make_call(original):

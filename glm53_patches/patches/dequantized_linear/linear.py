@@ -38,15 +38,8 @@ DEFAULT_MIN_TOKENS = 1024
 # weights_proj) differed at every row count; 128 inputs (KDA f_b / g_b_proj) made dequantizing cost
 # more than it saved (g_b_proj at 2,048 rows: 0.78x). No limit where unmeasured.
 NARROWEST = {"cuda": (256, 1024)}
-_min_tokens = None
-
-
-def min_tokens():
-    """GLM53_DEQUANTIZED_LINEAR_MIN_TOKENS: the fewest rows (batch x tokens) a call dequantizes for."""
-    global _min_tokens
-    if _min_tokens is None:
-        _min_tokens = config.knob_value(PATCH.name, "min_tokens", PATCH.knobs["min_tokens"], DEFAULT_MIN_TOKENS)
-    return _min_tokens
+# GLM53_DEQUANTIZED_LINEAR_MIN_TOKENS: the fewest rows (batch x tokens) a call dequantizes for.
+min_tokens = config.CachedKnob(PATCH, "min_tokens", DEFAULT_MIN_TOKENS)
 
 
 def unsupported(module, x, here):
@@ -96,6 +89,5 @@ def make_linear(original):
 
 
 def clear():
-    global _min_tokens
     switch.clear()
-    _min_tokens = None
+    min_tokens.clear()

@@ -21,7 +21,7 @@ functions, so one graph is built once per shape and replayed:
 
 A short block (1 < L <= 8) takes the same path, because off Metal stock's
 ``apply_branch`` does too: its exact short-block kernels are Metal-only, and
-the mix matmul runs per position inside ``HyperConnection._mix`` either way.
+the mix matmul is ``HyperConnection._mix``'s (per position at batch 1) either way.
 The one difference is kept: an MoE branch gets the residual and expands it
 itself (``SwitchGLU._combine``). On Metal short blocks go to stock.
 

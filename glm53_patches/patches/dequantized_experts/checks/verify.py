@@ -100,12 +100,12 @@ def _forced_below_the_tiny_prompt():
     """The fast path on, with a threshold the tiny model's 40-token prompt passes."""
     from .. import experts
 
-    saved, experts._min_tokens = experts._min_tokens, 16
+    saved, experts.min_tokens.value = experts.min_tokens.value, 16
     try:
         with experts.switch.forcing(True):
             yield
     finally:
-        experts._min_tokens = saved
+        experts.min_tokens.value = saved
 
 
 def check_tiny_models(tally, on_gpu):

@@ -102,13 +102,13 @@ def _forced_below_the_tiny_prompt():
     """The fast path on, with a threshold the tiny model's 40-token prompt passes and no narrowest width."""
     from .. import linear
 
-    saved = linear._min_tokens, linear.NARROWEST
-    linear._min_tokens, linear.NARROWEST = 16, {}
+    saved = linear.min_tokens.value, linear.NARROWEST
+    linear.min_tokens.value, linear.NARROWEST = 16, {}
     try:
         with linear.switch.forcing(True):
             yield
     finally:
-        linear._min_tokens, linear.NARROWEST = saved
+        linear.min_tokens.value, linear.NARROWEST = saved
 
 
 def check_tiny_models(tally, on_gpu):
