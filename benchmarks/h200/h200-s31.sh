@@ -19,7 +19,7 @@
 #   part 4: speculative verify blocks (issue 16): blocks of 1-4 tokens at 256 and 4,096 tokens of
 #           context, stock against the exact decode set with and without layer_decode, every block
 #           checked bit for bit (kernels forced on, so it does not need part d's records).
-# With 30 device minutes, run d then 4 first (issue 16's figures), then 1 and 2.
+# Parts d and 4 ran on 2026-12-05 (BENCHMARKS.md, results 2026-12-05-h200-s31-*); 1, 2 and 3 are left.
 # Usage: h200-s31.sh PART BUDGET
 PART=${1:-1}
 BUDGET=${2:-560}
