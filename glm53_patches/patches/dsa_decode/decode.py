@@ -9,7 +9,10 @@ count visible keys, and the first valid key twice: work and kernels that grow
 with the context. For a decode token all of it is arithmetic:
 
 - pool ``p`` holds keys ``first_key + p * kpool + [0, kpool)``;
-- the token sits at the last position, so the visible count is ``sum(valid)``.
+- the token sits at the last position, so the visible count is ``sum(valid)``;
+  in a short block (speculative verify blocks) position ``i`` is key
+  ``kv_length - L + i`` and the block's validity is the row's last ``L``
+  entries, so its visible count is ``sum(valid) - sum(block) + cumsum(block)[i]``.
 
 The projections, cache updates, pool scores and ``argpartition`` are stock's
 calls on stock's arrays, so the selected set is the same set; what follows
@@ -46,26 +49,27 @@ def _expand_selection(selected, selected_valid, first_key, visible_count, tail_k
                       *, kpool, topk, tail_width):
     """Selected pools -> key positions, in stock's order: chronological, -1 slots last, then the tail.
 
-    selected, selected_valid: [B, 1, k] from argpartition; first_key, visible_count: [B];
-    tail_key_valid: [B, tail_width] validity of the keys the tail would take; pool_count and
-    kv_length are scalar arrays, so that a growing context reuses one compiled trace.
+    selected, selected_valid: [B, L, k] from argpartition, a row per query position; first_key: [B];
+    visible_count: [B, L]; tail_key_valid: [B, L, tail_width] validity of the keys the tail would
+    take; pool_count and kv_length are scalar arrays, so that a growing context reuses one compiled
+    trace.
     """
-    batch = selected.shape[0]
+    batch, length = selected.shape[:2]
     if selected.shape[-1]:
         order = mx.argsort(mx.where(selected_valid, selected, pool_count), axis=-1)
         selected = mx.take_along_axis(selected, order, axis=-1)
         selected_valid = mx.take_along_axis(selected_valid, order, axis=-1)
     safe = mx.clip(selected, 0, mx.maximum(pool_count - 1, 0))
     keys = first_key[:, None, None, None] + safe[..., None] * kpool + mx.arange(kpool)
-    keys = mx.where(selected_valid[..., None], keys, -1).reshape(batch, 1, -1)
+    keys = mx.where(selected_valid[..., None], keys, -1).reshape(batch, length, -1)
     if keys.shape[-1] < topk:
         keys = mx.pad(keys, [(0, 0), (0, 0), (0, topk - keys.shape[-1])], constant_values=-1)
     if not tail_width:
         return keys.astype(mx.int32)
     tail_count = visible_count % kpool
-    tail = (first_key + visible_count - tail_count)[:, None] + mx.arange(tail_width)
-    tail_valid = (mx.arange(tail_width) < tail_count[:, None]) & (tail < kv_length) & tail_key_valid
-    tail = mx.where(tail_valid, tail, -1)[:, None]
+    tail = (first_key[:, None] + visible_count - tail_count)[..., None] + mx.arange(tail_width)
+    tail_valid = (mx.arange(tail_width) < tail_count[..., None]) & (tail < kv_length) & tail_key_valid
+    tail = mx.where(tail_valid, tail, -1)
     return mx.concatenate([keys, tail], axis=-1).astype(mx.int32)
 
 
@@ -92,16 +96,17 @@ def clear():
 
 
 def _select_pools(self, x, q_resid, pool_keys, candidates, select_k):
-    """Stock ``_exact_pool_select`` for one query: same calls, same arrays, same argpartition."""
-    batch, pool_count = candidates.shape
+    """Stock ``_exact_pool_select`` for up to 8 queries (its one chunk): same calls, same arrays, same
+    argpartition. ``candidates``: ``[B, L, pools]``."""
+    batch, length, pool_count = candidates.shape
     if select_k == pool_count:
-        selected = mx.broadcast_to(mx.arange(pool_count, dtype=mx.int32)[None, None], (batch, 1, pool_count))
+        selected = mx.broadcast_to(mx.arange(pool_count, dtype=mx.int32)[None, None], (batch, length, pool_count))
     else:
         q, weights = self._project_queries(x, q_resid)
         scores = _lang._score_index_keys(q, pool_keys, weights, self.softmax_scale)
-        scores = mx.where(candidates[:, None], scores, mx.finfo(mx.float32).min)
+        scores = mx.where(candidates, scores, mx.finfo(mx.float32).min)
         selected = mx.argpartition(-scores, kth=select_k - 1, axis=-1)[..., :select_k].astype(mx.int32)
-    return selected, mx.take_along_axis(candidates[:, None], selected, axis=-1)
+    return selected, mx.take_along_axis(candidates, selected, axis=-1)
 
 
 def kernel_wanted(backend):
@@ -141,21 +146,22 @@ def _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache
 
 
 def decode_topk(self, x, q_resid, padding_mask=None, cache=None, pool_cache=None, offset=0):
-    """``self(x, q_resid, ...)`` for one decode token; None, having touched nothing, elsewhere."""
-    if x.shape[1] != 1 or cache is None or pool_cache is None:
-        stats.fallback("not single-token decode" if x.shape[1] != 1 else "no cache")
+    """``self(x, q_resid, ...)`` for a decode token or a short block (up to 8 tokens: speculative verify
+    blocks); None, having touched nothing, elsewhere."""
+    batch, length = x.shape[:2]
+    if length > _lang.DECODE_BLOCK_SIZE or cache is None or pool_cache is None:
+        stats.fallback("not decode" if length > _lang.DECODE_BLOCK_SIZE else "no cache")
         return None
-    batch = x.shape[0]
     kpool = self.index_kpool
 
     # Stock's projections and cache updates, in stock's order.
     k, gate = self._project_keys(x)
     if padding_mask is None:
-        query_valid = mx.ones((batch, 1), dtype=mx.bool_)
+        query_valid = mx.ones((batch, length), dtype=mx.bool_)
     else:
         query_valid = padding_mask.astype(mx.bool_)
     valid_state, _ = cache.update_and_fetch(
-        query_valid[:, None, :, None], mx.zeros((batch, 1, 1, 0), dtype=mx.bool_)
+        query_valid[:, None, :, None], mx.zeros((batch, 1, length, 0), dtype=mx.bool_)
     )
     key_valid = valid_state[:, 0, :, 0].astype(mx.bool_)
     ready_k, ready_gate, _ = pool_cache.accumulate_windows(k, gate.astype(k.dtype), offset)
@@ -165,51 +171,64 @@ def decode_topk(self, x, q_resid, padding_mask=None, cache=None, pool_cache=None
     pool_count = pool_keys.shape[1]
     select_k = min(self.index_topk // kpool, pool_count)
     tail_width = kpool - 1 if self.always_select_tail and kpool > 1 else 0
-    topk = _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache, select_k, tail_width)
-    if topk is not None:
-        return topk
+    if length == 1:  # the kernel selects for one query
+        topk = _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache, select_k, tail_width)
+        if topk is not None:
+            return topk
 
     first_key = mx.where(mx.any(key_valid, axis=-1), mx.argmax(key_valid.astype(mx.int32), axis=-1), kv_length)
     if isinstance(pool_cache.offset, mx.array):
         pool_valid = mx.arange(pool_count)[None] < pool_cache.offset[:, None]
     else:
         pool_valid = mx.ones((batch, pool_count), dtype=mx.bool_)
-    # Pool p ends at key first_key + p * kpool + kpool - 1; the token is at kv_length - 1.
+    # Pool p ends at key first_key + p * kpool + kpool - 1; position i of the block is key
+    # kv_length - length + i (the last key for a decode token).
     pool_end = mx.clip(first_key[:, None] + mx.arange(pool_count) * kpool + (kpool - 1), 0, max(kv_length - 1, 0))
-    candidates = pool_valid & (pool_end <= kv_length - 1)
+    if length == 1:
+        candidates = (pool_valid & (pool_end <= kv_length - 1))[:, None]
+    else:
+        positions = kv_length - length + mx.arange(length)
+        candidates = pool_valid[:, None] & (pool_end[:, None] <= positions[None, :, None])
     if pool_count:
         selected, selected_valid = _select_pools(self, x, q_resid, pool_keys, candidates, select_k)
     else:
-        selected = selected_valid = mx.zeros((batch, 1, 0), dtype=mx.int32)
+        selected = selected_valid = mx.zeros((batch, length, 0), dtype=mx.int32)
 
-    visible_count = key_valid.astype(mx.int32).sum(axis=-1)
+    # The keys each position sees: all for a decode token; in a block, the block's own keys are the
+    # last `length` (its validity just stored), so position i sees those before the block and the
+    # block's valid keys up to i.
+    visible_count = key_valid.astype(mx.int32).sum(axis=-1, keepdims=True)
+    if length > 1:
+        block_valid = query_valid.astype(mx.int32)
+        visible_count = visible_count - block_valid.sum(axis=-1, keepdims=True) + mx.cumsum(block_valid, axis=-1)
     if tail_width:
         tail_count = visible_count % kpool
-        tail = (first_key + visible_count - tail_count)[:, None] + mx.arange(tail_width)
-        tail_key_valid = mx.take_along_axis(key_valid, mx.clip(tail, 0, max(kv_length - 1, 0)), axis=-1)
+        tail = (first_key[:, None] + visible_count - tail_count)[..., None] + mx.arange(tail_width)
+        safe_tail = mx.clip(tail, 0, max(kv_length - 1, 0)).reshape(batch, -1)
+        tail_key_valid = mx.take_along_axis(key_valid, safe_tail, axis=-1).reshape(batch, length, tail_width)
     else:
-        tail_key_valid = mx.zeros((batch, 0), dtype=mx.bool_)
+        tail_key_valid = mx.zeros((batch, length, 0), dtype=mx.bool_)
     expand = _expander(
         select_k == self.index_topk // kpool,
         kpool=kpool, topk=self.index_topk, tail_width=tail_width,
     )
     topk = expand(selected, selected_valid.astype(mx.bool_), first_key, visible_count, tail_key_valid,
                   mx.array(pool_count), mx.array(kv_length))
-    stats.hit("indexer")
+    stats.hit("indexer" if length == 1 else "indexer block")
     return mx.where(query_valid[..., None], topk, -1).astype(mx.int32)
 
 
 def select_rows(latent, topk):
-    """The latent rows a decode token attends to, ``[B, 1, K, C]``, and their validity ``[B, 1, K]``.
+    """The latent rows each position of ``topk`` attends to, ``[B, L, K, C]``, and their validity
+    ``[B, L, K]``: what ``_attend`` gathers per position, in one row gather.
 
     Pure; layer_decode calls it between its compiled halves of a DSA layer.
     """
     batch, _, length, channels = latent.shape
-    selected_indices = topk[:, 0:1]
-    valid = (selected_indices >= 0) & (selected_indices < length)
-    safe = mx.clip(selected_indices, 0, max(length - 1, 0))
-    rows = (safe[:, 0] + (mx.arange(batch) * length)[:, None]).reshape(-1)
-    return latent.reshape(batch * length, channels)[rows].reshape(batch, 1, -1, channels), valid
+    valid = (topk >= 0) & (topk < length)
+    safe = mx.clip(topk, 0, max(length - 1, 0))
+    rows = (safe + (mx.arange(batch) * length)[:, None, None]).reshape(-1)
+    return latent.reshape(batch * length, channels)[rows].reshape(*topk.shape, channels), valid
 
 
 def decode_attend(self, q, latent, new_latent, topk, kv_cache, projected_cache, last_only=False):
