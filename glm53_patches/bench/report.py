@@ -194,13 +194,16 @@ def _verify_blocks(results, labels):
         entries = {e["block"]: e for e in results["verify"].values() if e["context"] == context}
         columns = [(f"L={size} ms", {l: _cell(results, l, entries[size]["arms"].get(l)) for l in labels})
                    for size in sizes]
+        columns += [(f"L={size} build", {l: _num(e["build_ms"]["median"]) for l, e in entries[size]["arms"].items()
+                                          if "build_ms" in e}) for size in sizes]
         top = sizes[-1]
         if 1 in sizes and top > 1:
             columns.append((f"L={top} / own L=1", {l: f"{ms[top] / ms[1]:.2f}x" for l, ms in arms.items()
                                                     if 1 in ms and top in ms}))
             columns.append(("extra token, x step", {l: f"{c:.2f}" for l, c in costs.get(context, {}).items()}))
         blocks.append((f"speculative verify blocks at a {context}-token context: ms per block of L tokens "
-                       "(the bonus token and L - 1 drafts, then a commit); extra token: each token past the "
+                       "(the bonus token and L - 1 drafts, then a commit); build: the ms of it spent building the graph "
+                       "(the commit before, the forward), before its evaluation; extra token: each token past the "
                        "first, as a fraction of the arm's own single-token step", columns))
     return blocks
 

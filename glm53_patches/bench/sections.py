@@ -180,7 +180,8 @@ class Bench:
         """Speculative verify blocks as mlx-vlm's MTP loop runs them on the target: a speculating
         cache (``start_speculative_cache``), one forward of the bonus token and L - 1 drafts, the
         greedy tokens read, then a commit of one token (every draft rejected, so the context grows by
-        one per block, as in decode). L = 1 is a plain decode step, the blocks' baseline."""
+        one per block, as in decode). L = 1 is a plain decode step, the blocks' baseline. A block is
+        timed as its graph's build (the commit of the block before, the forward) and evaluation."""
         from mlx_vlm.speculative.cache_state import start_speculative_cache
 
         model = self.model
@@ -192,23 +193,26 @@ class Bench:
                 block = mx.random.randint(0, self.config.vocab_size, (1, length), key=mx.random.key(length))
 
                 def make(tokens=tokens):
-                    return {"cache": synthetic.clone_cache(self.context(tokens))}
+                    return {"cache": synthetic.clone_cache(self.context(tokens)), "transaction": None}
 
-                def step(s, i, block=block, length=length):
+                def commit(s):
+                    if s["transaction"] is not None:
+                        s["transaction"].commit([1])
+                        s["transaction"] = None
+
+                def build(s, i, block=block, length=length):
+                    commit(s)
                     cache = s["cache"]
-                    transaction = start_speculative_cache(cache, length) if length > 1 else None
+                    if length > 1:
+                        s["transaction"] = start_speculative_cache(cache, length)
                     logits = model(block, cache=cache).logits
-                    y = mx.argmax(logits, axis=-1)
-                    mx.eval(logits, y)
-                    if transaction is not None:
-                        transaction.commit([1])
-                    mx.eval(synthetic.cache_arrays(cache))
-                    return [logits, y]
+                    return [logits, mx.argmax(logits, axis=-1)]
 
                 def final(s):
+                    commit(s)
                     return synthetic.cache_arrays(s["cache"])
 
-                workload = measure.Workload(f"verify block {length} ctx {tokens}", make, step, final,
+                workload = measure.Workload(f"verify block {length} ctx {tokens}", make, final=final, build=build,
                                             token=lambda arrays: arrays[1][0, 0].item())
                 timed = self._run("verify", f"{tokens}/{length}", workload)
                 timed.update(context=tokens, block=length)
