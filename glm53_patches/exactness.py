@@ -21,6 +21,22 @@ def same_bits(a, b) -> bool:
     return bool(mx.array_equal(a.view(unsigned), b.view(unsigned)).item())
 
 
+def cache_fields(cache, path="cache"):
+    """``(path, value)`` of every array and plain field of a list of caches, recursively, in a fixed
+    order: what a decode or a rollback leaves behind, to compare bit for bit."""
+    from mlx_vlm.models.cache import CacheList
+
+    if isinstance(cache, (list, tuple)):
+        return [item for i, c in enumerate(cache) for item in cache_fields(c, f"{path}[{i}]")]
+    if isinstance(cache, CacheList):
+        return cache_fields(list(cache.caches), f"{path}.caches")
+    if isinstance(cache, mx.array) or cache is None or isinstance(cache, (bool, int, float, str)):
+        return [(path, cache)]
+    if isinstance(cache, dict):
+        return [item for k, v in sorted(cache.items()) for item in cache_fields(v, f"{path}[{k!r}]")]
+    return [item for k, v in sorted(vars(cache).items()) for item in cache_fields(v, f"{path}.{k}")]
+
+
 def host_bits(x) -> np.ndarray:
     """The array's bits as a NumPy array (bf16 and fp16 as uint16), e.g. to hash them."""
     if x.size == 0:  # np.array() of an empty MLX CUDA array segfaults (MLX 0.32.4)

@@ -16,7 +16,7 @@ from glm53_patches.hookspecs import hookimpl
 from glm53_patches.patch import GLM5_NEXT, Patch
 from glm53_patches.patches import layer_decode
 from glm53_patches.tiny_model import build_model, greedy_logits
-from glm53_patches.exactness import same_bits
+from glm53_patches.exactness import cache_fields, same_bits
 
 STEPS = 64
 NAME = "layer_decode"
@@ -51,21 +51,6 @@ def counts():
 # -- comparing everything a decode leaves behind ----------------------------------------------
 
 
-def cache_state(cache, path="cache"):
-    """(path, value) of every array and plain field in a list of caches (recursively)."""
-    from mlx_vlm.models.cache import CacheList
-
-    if isinstance(cache, (list, tuple)):
-        return [item for i, c in enumerate(cache) for item in cache_state(c, f"{path}[{i}]")]
-    if isinstance(cache, CacheList):
-        return cache_state(list(cache.caches), f"{path}.caches")
-    if isinstance(cache, mx.array) or cache is None or isinstance(cache, (bool, int, float, str)):
-        return [(path, cache)]
-    if isinstance(cache, dict):
-        return [item for k, v in sorted(cache.items()) for item in cache_state(v, f"{path}[{k!r}]")]
-    return [item for k, v in sorted(vars(cache).items()) for item in cache_state(v, f"{path}.{k}")]
-
-
 def assert_same(expected, actual, what="value"):
     assert type(expected) is type(actual), what
     if isinstance(expected, mx.array):
@@ -81,7 +66,7 @@ def assert_same_decode(expected, actual):
     for step, (a, b) in enumerate(zip(logits_a, logits_b)):
         assert_same(a, b, f"logits at step {step}")
     assert [t.argmax(-1).tolist() for t in logits_a] == [t.argmax(-1).tolist() for t in logits_b]
-    state_a, state_b = cache_state(cache_a), cache_state(cache_b)
+    state_a, state_b = cache_fields(cache_a), cache_fields(cache_b)
     assert [p for p, _ in state_a] == [p for p, _ in state_b]
     assert sum(isinstance(v, mx.array) for _, v in state_a) > 20  # every layer's cache arrays were compared
     for (path, a), (_, b) in zip(state_a, state_b):
@@ -313,17 +298,21 @@ def _ragged(cache):
         layer_cache.lengths = mx.array([len(PROMPT) + 1])
 
 
-@pytest.mark.parametrize("reason, prepare", [("speculating", _speculating), ("ragged", _ragged)])
-def test_steps_aside_per_layer_with_stock_results(fp32_model, reason, prepare):
-    """KDA caches it cannot reproduce run those layers eagerly; the DSA layers still take the compiled path."""
+@pytest.mark.parametrize("case", ["speculating", "ragged", "short chunk"])
+def test_speculating_records_while_ragged_caches_and_short_chunks_step_aside(fp32_model, case):
+    """A one-token step on speculating caches runs compiled and hands the history it recorded to the
+    cache; ragged KDA caches run those layers eagerly (the DSA layers stay compiled); a few tokens
+    while nothing speculates (a prompt's last chunk) are prefill: stock."""
     language_model = fp32_model.language_model
     kda = sum(layer.is_linear for layer in language_model.layers)
+    dsa = len(language_model.layers) - kda
+    after = mx.array([PROMPT[:3]]) if case == "short chunk" else mx.array([[PROMPT[2]]])
 
     def run():
         logits, cache = decode(language_model, mx.array([PROMPT]), steps=1)
-        prepare(cache)
-        step = language_model(mx.array([[PROMPT[2]]]), cache=cache).logits
-        if reason == "speculating":  # the history stock recorded is there to commit
+        {"speculating": _speculating, "ragged": _ragged}.get(case, lambda _: None)(cache)
+        step = language_model(after, cache=cache).logits
+        if case == "speculating":  # the history recorded is there to commit
             for layer_cache in _kda_caches(cache):
                 layer_cache.commit_speculation([1])
         return [*logits, step], cache
@@ -333,8 +322,31 @@ def test_steps_aside_per_layer_with_stock_results(fp32_model, reason, prepare):
     actual = run()
     assert_same_decode(stock, actual)
     hits, fallbacks = counts()
-    assert fallbacks == {"length": 1, reason: kda}
-    assert hits["kda layer"] == kda and hits["dsa layer"] == 2 * (len(language_model.layers) - kda)
+    layers = {kind: n for kind, n in hits.items() if kind.startswith(("kda", "dsa"))}
+    assert (layers, fallbacks) == {
+        "speculating": ({"kda layer": 2 * kda, "dsa layer": 2 * dsa}, {"length": 1}),
+        "ragged": ({"kda layer": kda, "dsa layer": 2 * dsa}, {"length": 1, "ragged": kda}),
+        "short chunk": ({"kda layer": kda, "dsa layer": dsa}, {"length": 2}),  # the prompt and the chunk
+    }[case]
+
+
+def test_verify_blocks_step_aside_on_metal(fp32_model, monkeypatch):
+    """On Metal stock runs verify blocks through its own exact block kernels: the whole block is stock's
+    there, while the decode steps between blocks stay compiled."""
+    from glm53_patches.patches.layer_decode import step
+    from glm53_patches.tiny_model import speculative_logits
+
+    language_model = fp32_model.language_model
+    rounds = 3
+    stock = speculative_logits(language_model, mx.array([PROMPT]), rounds)
+    monkeypatch.setattr(step, "gpu_backend", lambda: "metal")  # what the plan asks; the arithmetic stays the CPU's
+    enable(NAME)
+    actual = speculative_logits(language_model, mx.array([PROMPT]), rounds)
+    assert_same_decode(stock, actual)
+    hits, fallbacks = counts()
+    assert fallbacks == {"length": 1, "metal verify block": rounds}
+    assert hits["kda layer"] == rounds * sum(layer.is_linear for layer in language_model.layers)
+    assert "kda block" not in hits and "dsa block" not in hits
 
 
 def test_steps_aside_for_prefill_training_and_no_cache(fp32_model):

@@ -153,8 +153,9 @@ def test_verify_blocks_take_the_combine_and_expand_the_residual(monkeypatch, wit
     """In speculative verify blocks the MoE gets the hyper-connection residual (from stock's
     apply_branch, or from hc_decode): the combine takes those calls and expands the residual as
     ``SwitchGLU._combine`` does; every block's logits and the cache after its rollback are stock's."""
-    from test_layer_decode import assert_same, cache_state
+    from test_layer_decode import assert_same
 
+    from glm53_patches.exactness import cache_fields
     from glm53_patches.tiny_model import speculative_logits
 
     language_model = build_model(quantize_bits=4, seed=2).language_model
@@ -170,7 +171,7 @@ def test_verify_blocks_take_the_combine_and_expand_the_residual(monkeypatch, wit
             glm53_patches.disable()
     for i, (a, b) in enumerate(zip(expected[0], actual[0], strict=True)):
         assert_same(a, b, f"logits {i}")
-    for (path, a), (_, b) in zip(cache_state(expected[1]), cache_state(actual[1]), strict=True):
+    for (path, a), (_, b) in zip(cache_fields(expected[1]), cache_fields(actual[1]), strict=True):
         assert_same(a, b, path)
     stats = expert_combine.PATCH.stats.snapshot()
     moe_layers = sum(cfg == "sparse" for cfg in language_model.model.config.mlp_layer_types)

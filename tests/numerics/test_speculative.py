@@ -7,10 +7,11 @@ caches, one forward of the bonus token and the drafts, then a commit of the acce
 
 import mlx.core as mx
 import pytest
-from test_layer_decode import DECODE, PROMPT, assert_same, cache_state, left_padded_batch
+from test_layer_decode import DECODE, PROMPT, assert_same, left_padded_batch
 
 import glm53_patches
-from glm53_patches.patches import compiled_kda_decode, dsa_decode, hc_decode
+from glm53_patches.patches import compiled_kda_decode, dsa_decode, hc_decode, layer_decode
+from glm53_patches.exactness import cache_fields
 from glm53_patches.tiny_model import build_model, speculative_logits
 
 ROUNDS = 10
@@ -24,7 +25,7 @@ def language_model(request):
 def assert_same_run(expected, actual):
     for i, (a, b) in enumerate(zip(expected[0], actual[0], strict=True)):
         assert_same(a, b, f"logits {i}")
-    state_a, state_b = cache_state(expected[1]), cache_state(actual[1])
+    state_a, state_b = cache_fields(expected[1]), cache_fields(actual[1])
     assert [p for p, _ in state_a] == [p for p, _ in state_b]
     assert sum(isinstance(v, mx.array) for _, v in state_a) > 20
     for (path, a), (_, b) in zip(state_a, state_b):
@@ -32,7 +33,8 @@ def assert_same_run(expected, actual):
 
 
 @pytest.mark.parametrize("batch", ["batch1", "batch3-left-padded"])
-def test_verify_blocks_bit_identical_with_every_decode_patch(language_model, batch):
+@pytest.mark.parametrize("whole_layers", [False, True], ids=["per-module", "layer_decode"])
+def test_verify_blocks_bit_identical_with_every_decode_patch(language_model, batch, whole_layers):
     def run():
         if batch == "batch1":
             return speculative_logits(language_model, mx.array([PROMPT]), ROUNDS)
@@ -40,22 +42,33 @@ def test_verify_blocks_bit_identical_with_every_decode_patch(language_model, bat
         return speculative_logits(language_model, tokens, ROUNDS, cache)
 
     stock = run()
-    state = glm53_patches.enable([*DECODE, "layer_decode"], strict=True)
-    assert all(state[name]["state"] == "applied" for name in [*DECODE, "layer_decode"]), state
-    compiled_kda_decode.PATCH.stats.reset()
-    hc_decode.PATCH.stats.reset()
-    dsa_decode.PATCH.stats.reset()
+    names = [*DECODE, "layer_decode"] if whole_layers else DECODE
+    state = glm53_patches.enable(names, strict=True)
+    assert all(state[name]["state"] == "applied" for name in names), state
+    for patch in (compiled_kda_decode, hc_decode, dsa_decode, layer_decode):
+        patch.PATCH.stats.reset()
     try:
         patched = run()
     finally:
         glm53_patches.disable()
     assert_same_run(stock, patched)
-    hits = compiled_kda_decode.PATCH.stats.snapshot()["hits"]
     kda = sum(layer.is_linear for layer in language_model.layers)
+    dsa_layers = len(language_model.layers) - kda
+    indexers = sum(not layer.is_linear and layer.self_attn.indexer is not None for layer in language_model.layers)
+    dsa = dsa_decode.PATCH.stats.snapshot()
+    assert dsa["hits"]["indexer block"] == ROUNDS * indexers, dsa  # every block's selection (eager in layer_decode)
+    if whole_layers:
+        # Every block's every layer ran as layer_decode's compiled functions, the KDA layers' recording
+        # what the rollback needs; the patches inside them run only while tracing.
+        layers = layer_decode.PATCH.stats.snapshot()
+        assert layers["hits"]["kda block"] == ROUNDS * kda, layers
+        assert layers["hits"]["dsa block"] == ROUNDS * dsa_layers, layers
+        assert layers["fallbacks"] == {"length": 1}, layers  # the prompt's prefill, nothing else
+        assert compiled_kda_decode.PATCH.stats.snapshot()["hits"]["verify"] < ROUNDS * kda
+        return
+    hits = compiled_kda_decode.PATCH.stats.snapshot()["hits"]
     assert hits["verify"] == ROUNDS * kda, hits  # every block's KDA layers ran compiled, recording history
     hc = hc_decode.PATCH.stats.snapshot()
     assert hc["hits"]["block"] == ROUNDS * len(language_model.layers), hc  # every block's every layer, fused
     assert "metal verify block" not in hc["fallbacks"], hc
-    dsa = dsa_decode.PATCH.stats.snapshot()
-    dsa_layers = len(language_model.layers) - kda
     assert dsa["hits"]["block"] == ROUNDS * dsa_layers, dsa  # every block's DSA attention, row-gathered

@@ -1,4 +1,5 @@
-"""layer_decode: each decoder layer's single-token decode as compiled graphs, the step loop without per-call checks.
+"""layer_decode: each decoder layer's decode (one token, or a speculative verify block) as compiled graphs, the
+step loop without per-call checks.
 
 The decode loop lives in ``step.py``, the compiled layer functions in
 ``layer.py`` and the exactness checks in ``checks/verify.py``; all are imported on
@@ -17,10 +18,12 @@ _CACHE = "mlx_vlm.models.cache"
 PATCH = Patch(
     name="layer_decode",
     summary=(
-        "Single-token decode steps of Glm5NextTextModel: every KDA layer runs as one mx.compile'd "
+        "Decode steps and speculative verify blocks (up to 8 tokens, off Metal) of Glm5NextTextModel: "
+        "every KDA layer runs as one mx.compile'd "
         "pure function (hyper-connections, the mixer as installed, with fused_kda_kernel's kernel, "
         "the MoE with router_select's and expert_combine's kernels), every DSA layer as two around "
-        "its growing part (latent cache, indexer, row gather); one trace per layer kind and shape, "
+        "its growing part (latent cache, indexer, row gather); in a verify block the KDA layers hand "
+        "the history they record to the cache for the rollback; one trace per layer kind and shape, "
         "what to run decided once per step, not per layer call. Bit-identical to stock."
     ),
     targets={f"{GLM5_NEXT}:Glm5NextTextModel.__call__": lazy(f"{__name__}.step", "make_call")},
@@ -37,6 +40,7 @@ PATCH = Patch(
         f"{_HC}:HyperConnection.apply_branch",
         f"{_HC}:HyperConnection.__call__",
         f"{_HC}:hc_expand",
+        f"{_SWITCH}:SwitchGLU._combine",
         f"{_SWITCH}:MoE.__call__",
         f"{_CACHE}:ArraysCache.__new__",
         f"{_CACHE}:ArraysCache.update_window",
@@ -44,6 +48,10 @@ PATCH = Patch(
         f"{_CACHE}:ArraysCache.advance",
         f"{_CACHE}:ArraysCache.make_mask",
         f"{_CACHE}:ArraysCache.is_speculating",
+        f"{_CACHE}:ArraysCache.history_capacity",
+        f"{_CACHE}:ArraysCache.start_speculation",
+        f"{_CACHE}:ArraysCache.record_speculative_window",
+        f"{_CACHE}:ArraysCache.record_speculative_states",
         f"{_CACHE}:ArraysCache.lengths",
         f"{_CACHE}:CacheList.__getitem__",
         f"{_CACHE}:KVCache.update_and_fetch",

@@ -1,29 +1,37 @@
-"""A glm5_next decoder layer's single-token decode as ``mx.compile``d pure functions.
+"""A glm5_next decoder layer's decode as ``mx.compile``d pure functions: one token, or a speculative
+verify block of up to ``DECODE_BLOCK_SIZE`` (8) tokens, the path stock itself takes for such blocks.
 
 KDA layer (every shape fixed), one function::
 
     (x, [mask,] conv window, recurrent state, layer parameters)
-        -> (x, new conv window, new recurrent state)
+        -> (x, new conv window, new recurrent state)          a decode token
+        -> (x, conv input, final state[, intermediate states]) a verify block
 
     collapse(x) with attn_hc          hc_decode's compiled collapse (its kernel where it runs)
     self_attn(h, mask, cache)         the installed Glm5NextLinearAttention.__call__ chain
                                       (fused_kda_kernel, compiled_kda_decode, or stock) on a
-                                      fresh ArraysCache that holds the traced window and state
+                                      fresh ArraysCache that holds the traced window and state;
+                                      in a verify block it speculates too, and what the mixer
+                                      asks it to record for rollback is returned, for step.py to
+                                      hand to the real cache's update_window / update_recurrent
     expand + collapse with ffn_hc     hc_decode's compiled expand_collapse
     mlp(h)                            the installed MoE.__call__ / MoEGate.__call__ chains
                                       (expert_combine, router_select, or stock), or the MLP
-    hc_expand                         upstream's compiled _hc_expand_op
+    hc_expand                         upstream's compiled _hc_expand_op (in a block an MoE is
+                                      handed the residual and expands it itself, as stock's
+                                      apply_branch has it)
 
 DSA layer, two functions around what grows with the context:
 
-    front (x, layer) -> h, q_resid, embed_q(q), new latent, post, comb
+    front (x, layer) -> h, q_resid, q, new latent, post, comb
         collapse, then Glm5NextAttention.__call__'s projections
     [eager, in step.py: latent KVCache update, the installed indexer (or the
-     previous layer's top-k), the gather of the selected latent rows]
-    back (query, selected, valid, x, post, comb, layer) -> x
-        Glm5NextAttention._attend's decode attention over the selected rows (a
-        fixed width: index_topk plus the tail), o_proj, expand + collapse, mlp,
-        hc_expand
+     previous layer's top-k), each position's gather of its selected latent rows]
+    back (q, selected, valid, x, post, comb, layer) -> x
+        Glm5NextAttention._attend's decode attention, position by position as
+        stock loops them, over each position's selected rows ([B, L, K, C]: a
+        fixed width K, index_topk plus the tail), o_proj, expand + collapse,
+        mlp, hc_expand
 
 The bodies call the code that runs eagerly, on parameter-free copies of the
 layer's modules bound to the traced parameters: weights are inputs, never
@@ -46,6 +54,7 @@ import mlx.nn as nn
 from mlx_vlm.models.cache import ArraysCache
 from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
 from mlx_vlm.models.glm5_next import language as _lang
+from mlx_vlm.models.switch_layers import MoE
 
 from glm53_patches.patches.hc_decode import layer as _hc_decode
 
@@ -166,17 +175,24 @@ def _expand_collapse(hc_kernels, hc, norm, out, x, post, comb):
 def _ffn(hc_kernels, layer, out, x, post, comb):
     """apply_branch(x, post_attention_layernorm, mlp) after the attention branch's output."""
     x, h, post, comb = _expand_collapse(hc_kernels, layer.ffn_hc, layer.post_attention_layernorm, out, x, post, comb)
+    if x.shape[1] > 1 and isinstance(layer.mlp, MoE):
+        # apply_branch hands a short block's residual to the MoE, which expands it itself.
+        return layer.mlp(h, residual=(x, post, comb))
     return _hc.hc_expand(layer.mlp(h), x, post, comb, use_kernel=True)
 
 
 # -- the layer functions -------------------------------------------------------------------
 
 
-def kda_function(label, hc_kernels, masked):
-    """The compiled KDA layer: ``(x, [left padding, advance,] window, state, layer) -> (x, window, state)``.
+def kda_function(label, hc_kernels, masked, record):
+    """The compiled KDA layer: ``(x, [left padding, advance,] window, state, layer) -> (x, ...)``.
 
-    With left padding, the mask is ``ArraysCache.make_mask(1)``'s, computed in
-    the graph (integers, exact): ``arange(1) >= left_padding - advance``.
+    Without ``record`` (a decode token) it returns the new window and state.
+    With ``record`` (a speculating cache) its cache speculates over the block,
+    and it returns what the mixer asked that cache to record: the conv input
+    and the final state, then the intermediate states for a block of more than
+    one token. With left padding, the mask is ``ArraysCache.make_mask(L)``'s,
+    computed in the graph (integers, exact): ``arange(L) >= left_padding - advance``.
     """
     key = next(_KEYS)
 
@@ -186,8 +202,18 @@ def kda_function(label, hc_kernels, masked):
             h, post, comb = _collapse(hc_kernels, layer.attn_hc, layer.input_layernorm, x)
             cache = ArraysCache(2)  # what the installed mixer reads and writes
             cache[0], cache[1] = window, state
+            recorded = {}
+            if record:
+                cache.start_speculation(x.shape[1])
+                # Stock's update_window / update_recurrent call these with what a rollback needs.
+                cache.record_speculative_window = lambda index, source, width: recorded.update(conv_input=source)
+                cache.record_speculative_states = lambda index, steps, final: recorded.update(steps=steps, final=final)
             out = layer.self_attn(h, mask, cache)
-            return _ffn(hc_kernels, layer, out, x, post, comb), cache[0], cache[1]
+            x = _ffn(hc_kernels, layer, out, x, post, comb)
+            if not record:
+                return x, cache[0], cache[1]
+            steps = () if recorded["steps"] is None else (recorded["steps"],)
+            return (x, recorded["conv_input"], recorded["final"], *steps)
 
     if masked:
         return mx.compile(body)
@@ -195,7 +221,7 @@ def kda_function(label, hc_kernels, masked):
 
 
 def dsa_front_function(label, hc_kernels):
-    """``(x, layer) -> (h, q_resid, embed_q(q), new latent, post, comb)``."""
+    """``(x, layer) -> (h, q_resid, q, new latent, post, comb)``."""
     key = next(_KEYS)
 
     def body(x, params):
@@ -212,26 +238,33 @@ def dsa_front_function(label, hc_kernels):
                 .transpose(0, 2, 1, 3)
             )
             new_latent = attn.kv_a_layernorm(kv_a)[:, None]
-            # -- _attend's query (q of the one token: q[:, :, 0:1] is q) --
-            return h, q_resid, attn.embed_q(q), new_latent, post, comb
+            return h, q_resid, q, new_latent, post, comb
 
     return mx.compile(body)
 
 
 def dsa_back_function(label, hc_kernels):
-    """``(query, selected, valid, x, post, comb, layer) -> x``."""
+    """``(q, selected, valid, x, post, comb, layer) -> x``; ``selected``: each position's rows, ``[B, L, K, C]``."""
     key = next(_KEYS)
 
-    def body(query, selected, valid, x, post, comb, params):
-        with _tracing(key, label, (query, selected, valid, x), params) as layer:
+    def body(q, selected, valid, x, post, comb, params):
+        with _tracing(key, label, (q, selected, valid, x), params) as layer:
             attn = layer.self_attn
-            # -- Glm5NextAttention._attend, one decode token, over the selected latent rows --
+            # -- Glm5NextAttention._attend at L <= 8, over each position's selected latent rows --
             # cache=None: the caller checked the latent cache is a KVCache or
             # BatchKVCache, for which stock's cache argument selects nothing.
-            out = _lang.scaled_dot_product_attention(query, selected, selected, cache=None, scale=attn.scale,
-                                                     mask=valid[:, None])
-            out = attn.unembed_out(out)
-            out = _lang.linear(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(out.shape[0], 1, -1))
+            # Stock's mx.async_eval per position in a block only schedules work;
+            # nothing can be evaluated inside a trace, and no value depends on it.
+            outputs = []
+            for index in range(q.shape[2]):
+                rows = selected[:, index : index + 1]  # [B, 1, K, C]: the latent's one head
+                query = attn.embed_q(q[:, :, index : index + 1])
+                out = _lang.scaled_dot_product_attention(query, rows, rows, cache=None, scale=attn.scale,
+                                                         mask=valid[:, None, index : index + 1])
+                outputs.append(attn.unembed_out(out))
+            out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
+            batch, _, length, _ = out.shape
+            out = _lang.linear(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
             return _ffn(hc_kernels, layer, out, x, post, comb)
 
     return mx.compile(body)

@@ -18,13 +18,22 @@ input shapes is decided once per step, not once per layer call:
   layer with the same module classes and settings, so there is one trace per
   layer kind and input shape.
 
-Per layer call only the cache's state is checked (a speculating or ragged
-KDA cache, an unexpected cache type), and a hit is one in-place increment.
-Prefill, speculative verify blocks (more than one token), training and
-layers of another shape of module run the installed stock chain.
+A speculative verify block (2 to ``DECODE_BLOCK_SIZE`` tokens, the caches
+speculating) takes the same functions: off Metal, stock runs such a block
+through its decode path, position by position where it matters (hc_decode's
+and dsa_decode's docstrings say where). A KDA layer's function then returns
+what the mixer recorded for rollback, and the real cache records it through
+its own ``update_window`` / ``update_recurrent``, as compiled_kda_decode does.
+
+Per layer call only the cache's state is checked (a ragged KDA cache, an
+unexpected cache type), and a hit is one in-place increment. Prefill, short
+blocks while nothing speculates (a prompt's last chunk), blocks on Metal
+(stock runs its own exact block kernels there), training and layers of
+another shape of module run the installed stock chain.
 """
 
 import functools
+import itertools
 import sys
 import weakref
 from collections import Counter
@@ -39,6 +48,7 @@ from mlx_vlm.models.deepseek_v4 import hyper_connection as _hc
 from mlx_vlm.models.glm5_next import language as _lang
 
 from glm53_patches import registry
+from glm53_patches.backend import gpu_backend
 from glm53_patches.kernels import hc_sinkhorn
 
 from . import PATCH
@@ -126,8 +136,11 @@ class Plan:
         self.token = token
         self.refused = _refusal(token[1])
         self.entries = [] if self.refused else [_entry(layer, token) for layer in model.layers]
-        self.tallies = [e.tally for e in self.entries if e.tally is not None]
+        self.tallies = [t for e in self.entries for t in e.tallies]
         self.stale = False
+        # Whether a block may take this path: a KDA cache says if the caches speculate.
+        self.kda_index = next((i for i, e in enumerate(self.entries) if isinstance(e, Kda)), None)
+        self.metal = gpu_backend() == "metal"
         stats.attach(self.tallies)
 
     def retire(self):
@@ -199,11 +212,13 @@ def _entry(layer, token):
     hc_kernels = "hc_decode" in token[1]
     ffn = "moe" if type(mlp) is _lang.Glm5NextMoE else "mlp"
     if layer.is_linear and type(attn) is _lang.Glm5NextLinearAttention:
-        kind = f"kda+{ffn}"
-        plain = _function(token, kind, sig, lambda: _layer.kda_function(kind, hc_kernels, masked=False))
-        masked = _function(token, kind + " masked", sig,
-                           lambda: _layer.kda_function(kind + " masked", hc_kernels, masked=True))
-        return Kda(layer, plain, masked)
+        functions = {}
+        for masked, record in itertools.product((False, True), repeat=2):
+            kind = f"kda+{ffn}" + " masked" * masked + " recording" * record
+            functions[masked, record] = _function(
+                token, kind, sig, lambda kind=kind, masked=masked, record=record:
+                _layer.kda_function(kind, hc_kernels, masked, record))
+        return Kda(layer, functions)
     if not layer.is_linear and type(attn) is _lang.Glm5NextAttention:
         kind = f"{'dsa-shared' if attn.indexer is None else 'dsa'}+{ffn}"
         front = _function(token, kind + " front", sig, lambda: _layer.dsa_front_function(kind + " front", hc_kernels))
@@ -220,11 +235,12 @@ def _dsa_decode_rows():
 
 
 def stock_rows(latent, topk):
-    """What ``Glm5NextAttention._attend`` gathers for one decode token: ``[B, 1, K, C]`` rows, their validity."""
-    selected_indices = topk[:, 0:1]
-    valid = (selected_indices >= 0) & (selected_indices < latent.shape[2])
-    safe = mx.clip(selected_indices, 0, max(latent.shape[2] - 1, 0))
-    return mx.take_along_axis(latent, safe[:, None, 0, :, None], axis=2), valid
+    """What ``Glm5NextAttention._attend`` gathers for each position of ``topk``: ``[B, L, K, C]`` rows
+    (its ``take_along_axis`` per position, in one call), their validity ``[B, L, K]``."""
+    batch, _, length, channels = latent.shape
+    valid = (topk >= 0) & (topk < length)
+    safe = mx.clip(topk, 0, max(length - 1, 0)).reshape(batch, 1, -1, 1)
+    return mx.take_along_axis(latent, safe, axis=2).reshape(*topk.shape, channels), valid
 
 
 # -- the layer entries -------------------------------------------------------------------------
@@ -239,52 +255,61 @@ def _eager(layer, h, mask, cache, topk, reason):
 
 
 class Eager:
-    __slots__ = ("layer", "reason", "tally")
+    __slots__ = ("layer", "reason", "tallies")
 
     def __init__(self, layer, reason):
-        self.layer, self.reason, self.tally = weakref.ref(layer), reason, None
+        self.layer, self.reason, self.tallies = weakref.ref(layer), reason, ()
 
     def run(self, plan, layer, h, mask, cache, topk):
         return _eager(layer, h, mask, cache, topk, self.reason)
 
 
 class Kda:
-    __slots__ = ("layer", "plain", "masked", "tally")
+    __slots__ = ("layer", "functions", "tallies")
 
-    def __init__(self, layer, plain, masked):
-        self.layer, self.plain, self.masked = weakref.ref(layer), plain, masked
-        self.tally = Tally("kda layer")
+    def __init__(self, layer, functions):
+        self.layer, self.functions = weakref.ref(layer), functions  # (masked, recording) -> function
+        self.tallies = Tally("kda layer"), Tally("kda block")
 
     def run(self, plan, layer, h, mask, cache, topk):
         if self.layer() is not layer or type(layer) is not _lang.DecoderLayer:
             plan.stale = True
             return _eager(layer, h, mask, cache, topk, "layer changed")
-        # What the traced mixer cannot reproduce: stock records speculative
-        # history, gathers ragged windows per row, or makes the state itself.
+        # What the traced mixer cannot reproduce: stock gathers ragged windows
+        # per row, makes the state itself, or raises its own capacity error.
         if type(cache) is not ArraysCache or len(cache.cache) != 2:
             return _eager(layer, h, mask, cache, topk, "kda cache type")
-        if cache.is_speculating:
-            return _eager(layer, h, mask, cache, topk, "speculating")
         if cache._lengths is not None:
             return _eager(layer, h, mask, cache, topk, "ragged")
         window, state = cache.cache
         if window is None or state is None:
             return _eager(layer, h, mask, cache, topk, "no state")
+        length = h.shape[1]
+        recording = cache.is_speculating
+        if recording and cache.history_capacity < length:
+            return _eager(layer, h, mask, cache, topk, "history capacity")
         _layer._CURRENT[0] = layer
-        # create_ssm_mask(h[:, :, 0], cache) is cache.make_mask(1): None without
+        # create_ssm_mask(h[:, :, 0], cache) is cache.make_mask(L): None without
         # left padding, else built inside the graph from the padding and the advance.
         padding = cache._left_padding
+        function = self.functions[padding is not None, recording]
         if padding is None:
-            h, window, state = self.plain(h, window, state, layer)
+            h, *updated = function(h, window, state, layer)
         else:
             advance = _advance(cache._left_padding_advance, padding.dtype)
-            h, window, state = self.masked(h, padding, advance, window, state, layer)
-        # What the stock mixer leaves in a cache without speculation or lengths:
-        # update_window(0, ...), update_recurrent(1, ...), advance(1).
-        cache[0] = window
-        cache[1] = state
-        cache.advance(1)
-        self.tally.hits += 1
+            h, *updated = function(h, padding, advance, window, state, layer)
+        if recording:
+            # The cache's own calls, in stock's order, with what the mixer recorded: they keep
+            # the window's and the states' history for the rollback, as they do for stock.
+            conv_input, final, *steps = updated
+            cache.update_window(0, conv_input, window.shape[1])
+            cache.update_recurrent(1, length, lambda _state, _steps: (None, final, *steps))
+        else:
+            # What the stock mixer leaves in a cache without speculation or lengths:
+            # update_window(0, ...), update_recurrent(1, ...), advance(1).
+            cache[0], cache[1] = updated
+        cache.advance(length)
+        self.tallies[length > 1].hits += 1
         return h, topk
 
 
@@ -298,11 +323,11 @@ def _advance(count, dtype):
 
 
 class Dsa:
-    __slots__ = ("layer", "front", "back", "rows", "shared", "tally")
+    __slots__ = ("layer", "front", "back", "rows", "shared", "tallies")
 
     def __init__(self, layer, front, back, rows, shared):
         self.layer, self.front, self.back, self.rows, self.shared = weakref.ref(layer), front, back, rows, shared
-        self.tally = Tally("dsa layer")
+        self.tallies = Tally("dsa layer"), Tally("dsa block")
 
     def run(self, plan, layer, h, mask, cache, topk):
         if self.layer() is not layer or type(layer) is not _lang.DecoderLayer:
@@ -316,15 +341,16 @@ class Dsa:
         if self.shared and topk is None:
             return _eager(layer, h, mask, cache, topk, "no top-k to share")  # stock raises
         _layer._CURRENT[0] = layer
-        x, q_resid, query, new_latent, post, comb = self.front(h, layer)
+        batch, length = h.shape[:2]
+        x, q_resid, q, new_latent, post, comb = self.front(h, layer)
         # -- Glm5NextAttention.__call__'s growing part, eagerly, as stock runs it --
         offset = kv_cache.offset
-        latent, _ = kv_cache.update_and_fetch(new_latent, mx.zeros((h.shape[0], 1, 1, 0), dtype=new_latent.dtype))
+        latent, _ = kv_cache.update_and_fetch(new_latent, mx.zeros((batch, 1, length, 0), dtype=new_latent.dtype))
         if not self.shared:
             topk = layer.self_attn.indexer(x, q_resid, mask, cache.caches[1], cache.caches[2], offset)
-        selected, valid = self.rows(latent, topk)
-        h = self.back(query, selected, valid, h, post, comb, layer)
-        self.tally.hits += 1
+        selected, valid = self.rows(latent, topk)  # _attend's rows of every position, one gather
+        h = self.back(q, selected, valid, h, post, comb, layer)
+        self.tallies[length > 1].hits += 1
         return h, topk
 
 
@@ -332,10 +358,11 @@ class Dsa:
 
 
 def decode_step(model, inputs, inputs_embeds=None, cache=None, attention_mask=None, hidden_sink=None):
-    """``Glm5NextTextModel.__call__`` for one token per row; None, having touched nothing, elsewhere."""
+    """``Glm5NextTextModel.__call__`` for one token per row or a verify block; None, having touched
+    nothing, elsewhere."""
     tokens = inputs if inputs_embeds is None else inputs_embeds
-    if tokens is None or tokens.ndim < 2 or tokens.shape[1] != 1:
-        stats.fallback("length")  # prefill and speculative verify blocks
+    if tokens is None or tokens.ndim < 2 or not 1 <= tokens.shape[1] <= _lang.DECODE_BLOCK_SIZE:
+        stats.fallback("length")  # prefill
         return None
     if model.training:
         stats.fallback("training")
@@ -348,6 +375,13 @@ def decode_step(model, inputs, inputs_embeds=None, cache=None, attention_mask=No
     if plan.refused:
         stats.fallback(plan.refused)
         return None
+    if tokens.shape[1] > 1:
+        if plan.kda_index is None or not getattr(cache[plan.kda_index], "is_speculating", False):
+            stats.fallback("length")  # a prefill chunk of a few tokens
+            return None
+        if plan.metal:
+            stats.fallback("metal verify block")  # stock's exact Metal block kernels have no twin here
+            return None
     # -- Glm5NextTextModel.__call__ --
     h = model.embed_tokens(inputs) if inputs_embeds is None else inputs_embeds
     if attention_mask is not None:

@@ -1,6 +1,7 @@
 """Graph-build time and primitives of one decode step: stock, the decode patches, and with layer_decode.
 
-``python -m glm53_patches.patches.layer_decode.checks.bench [--rounds N] [--steps N] [--layers 8|45] [--bits 4] [--batch 3]``
+``python -m glm53_patches.patches.layer_decode.checks.bench [--rounds N] [--steps N] [--layers 8|45] [--bits 4] [--batch 3]
+[--block L]``
 
 The tiny model (``glm53_patches.tiny_model``; ``--layers 45`` repeats its
 layer kinds to GLM-5.3-Flash's 45 layers: 34 KDA, 11 DSA with full indexers,
@@ -12,7 +13,10 @@ evaluated; the step is then evaluated and timed on its own. Each round gives
 the median over its steps; the summary is the median of the round medians
 with their min-max. The first step of each arm in a fresh process (its
 traces) is reported separately, as are the graph primitives of one step
-(``glm53_patches.bench.measure.count_primitives``, deterministic).
+(``glm53_patches.bench.measure.count_primitives``, deterministic). With
+``--block L`` every step is a speculative verify block instead, as mlx-vlm's
+MTP loop runs it on the target: ``start_speculative_cache``, a forward of the
+greedy token and L - 1 drafts, then a commit of the whole block.
 """
 
 import argparse
@@ -52,8 +56,10 @@ def prompt(language_model, batch):
     return mx.array([[0] * pad + p for pad, p in zip(padding, prompts)]), _make_cache(language_model, padding)
 
 
-def run(language_model, steps, warmup, batch=1):
+def run(language_model, steps, warmup, batch=1, block=1):
     """(build seconds, build CPU seconds, eval seconds) per step after ``warmup``, the first step's, primitives."""
+    from mlx_vlm.speculative.cache_state import start_speculative_cache
+
     from glm53_patches.bench.measure import count_primitives
 
     tokens, cache = prompt(language_model, batch)
@@ -62,10 +68,15 @@ def run(language_model, steps, warmup, batch=1):
     rows, first, primitives = [], None, None
     for step in range(warmup + steps):
         token = mx.argmax(logits, axis=-1)[:, None]
+        if block > 1:  # the greedy token and the drafts (fixed ones: the block's cost does not depend on them)
+            token = mx.concatenate([token, mx.broadcast_to(mx.array(PROMPT[:block - 1]), (batch, block - 1))], axis=1)
+            transaction = start_speculative_cache(cache, block)
         mx.eval(token)
         wall, cpu = time.perf_counter(), time.thread_time()
         logits = language_model(token, cache=cache).logits[:, -1]
         built, built_cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        if block > 1:
+            transaction.commit([block] * batch)
         if step == warmup:
             primitives = count_primitives([logits])
         start = time.perf_counter()
@@ -88,6 +99,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bits", type=int, choices=(4, 8), default=None)
     parser.add_argument("--batch", type=int, choices=(1, 3), default=1)
+    parser.add_argument("--block", type=int, choices=range(1, 9), default=1, metavar="1-8",
+                        help="tokens per step: more than 1 makes every step a speculative verify block")
     args = parser.parse_args(argv)
     language_model = model(args.layers, args.bits)
     medians = {arm: [] for arm in ARMS}
@@ -97,12 +110,14 @@ def main(argv=None):
             glm53_patches.disable()
             if ARMS[arm]:
                 glm53_patches.enable(ARMS[arm], strict=True)
-            rows, first, counted = run(language_model, args.steps, args.warmup, args.batch)
+            rows, first, counted = run(language_model, args.steps, args.warmup, args.batch, args.block)
             firsts.setdefault(arm, first)
             primitives[arm] = counted
             medians[arm].append(tuple(statistics.median(r[i] for r in rows) for i in range(3)))
     glm53_patches.disable()
     batch = "batch 1" if args.batch == 1 else "a left-padded batch of 3"
+    if args.block > 1:
+        batch += f", verify blocks of {args.block} tokens"
     print(f"tiny model, {args.layers} layers, {'fp32' if args.bits is None else f'{args.bits}-bit'}, {batch}, "
           f"{args.rounds} interleaved rounds x {args.steps} steps (after {args.warmup} warm-up); "
           "ms per step: median of round medians [min-max]")

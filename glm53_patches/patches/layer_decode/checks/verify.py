@@ -3,9 +3,12 @@
 The compiled layer functions fuse, per backend, across what the other
 patches keep apart, so exactness is checked where it runs. Greedy decode of
 the tiny model (fp32, and 4-bit on the CPU or bf16 on a GPU, as a converted
-checkpoint stores it), batch 1 and a left-padded batch of 3, 16 steps: every
-step's logits and, at the end, every array and counter of every layer cache,
-stock (no patch applied) against
+checkpoint stores it), batch 1 and a left-padded batch of 3, 16 steps, and the
+same prompts through 7 speculative verify blocks of 2 to 8 tokens, each
+rolled back to a random accepted prefix and followed by a decode step
+(``tiny_model.speculative_logits``): every step's and block's logits and, at
+the end, every array and counter of every layer cache, stock (no patch
+applied) against
 
 1. layer_decode alone (stock's layer code, compiled);
 2. layer_decode with the exact decode patches, their GPU kernels forced off;
@@ -19,19 +22,21 @@ before are reverted for the check and applied again after it.
 """
 
 import contextlib
+import itertools
 import logging
 import time
 
 import mlx.core as mx
 
 from glm53_patches import registry
-from glm53_patches.exactness import Tally, _served_dtype, same_bits
+from glm53_patches.exactness import Tally, _served_dtype, cache_fields, same_bits
 from glm53_patches.kernels import hc_sinkhorn
 from glm53_patches.log import log
 
 from .. import PATCH
 
 STEPS = 16
+ROUNDS = 7  # speculative verify blocks: one of each length 2 to 8
 DECODE = ("compiled_kda_decode", "fused_kda_kernel", "hc_decode", "router_select", "expert_combine", "dsa_decode")
 PROMPT = [3, 17, 42, 99, 100, 7, 8, 200, 31, 64, 77, 5]
 # kernel patch -> (its switch's module, the hit its kernel counts)
@@ -44,26 +49,12 @@ KERNELS = {
 }
 
 
-def cache_state(cache):
-    """Every array and plain field of a list of caches, in a fixed order."""
-    from mlx_vlm.models.cache import CacheList
-
-    if isinstance(cache, (list, tuple)):
-        return [item for c in cache for item in cache_state(c)]
-    if isinstance(cache, CacheList):
-        return cache_state(list(cache.caches))
-    if isinstance(cache, mx.array) or cache is None or isinstance(cache, (bool, int, float, str)):
-        return [cache]
-    if isinstance(cache, dict):
-        return [item for _, v in sorted(cache.items()) for item in cache_state(v)]
-    return [item for _, v in sorted(vars(cache).items()) for item in cache_state(v)]
-
-
-def _run(language_model, batch):
-    """Greedy decode: every step's logits, then the cache's arrays (plain fields compared here)."""
+def _run(language_model, batch, blocks):
+    """Greedy decode or verify blocks: every step's (and block's) logits, then the cache's arrays
+    (plain fields compared here)."""
     from mlx_vlm.generate.ar import _make_cache
 
-    from glm53_patches.tiny_model import greedy_logits
+    from glm53_patches.tiny_model import greedy_logits, speculative_logits
 
     if batch == 1:
         tokens, cache = mx.array([PROMPT]), language_model.make_cache()
@@ -72,8 +63,11 @@ def _run(language_model, batch):
         padding = [len(PROMPT) - len(p) for p in prompts]
         tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
         cache = _make_cache(language_model, padding)
-    logits = greedy_logits(language_model, tokens, STEPS, cache=cache)
-    state = cache_state(cache)
+    if blocks:
+        logits, cache = speculative_logits(language_model, tokens, ROUNDS, cache)
+    else:
+        logits = greedy_logits(language_model, tokens, STEPS, cache=cache)
+    state = [value for _, value in cache_fields(cache)]
     arrays = [a for a in state if isinstance(a, mx.array)]
     plain = [a for a in state if not isinstance(a, mx.array)]
     return logits + arrays, plain
@@ -126,23 +120,27 @@ def verify():
     tally, inconclusive, ran = Tally(), [], {}
     try:
         for label, language_model in _models():
-            for batch in (1, 3):
-                stock, stock_plain = _run(language_model, batch)
-                again, _ = _run(language_model, batch)
+            for batch, blocks in itertools.product((1, 3), (False, True)):
+                run = f"{label} B={batch}" + " verify blocks" * blocks
+                stock, stock_plain = _run(language_model, batch, blocks)
+                again, _ = _run(language_model, batch, blocks)
                 if not all(same_bits(a, b) for a, b in zip(stock, again)):
-                    inconclusive.append(f"{label} B={batch}")
+                    inconclusive.append(run)
                     continue
                 for arm, others, kernels in arms:
                     registry.apply([*others, PATCH.name], strict=True)
                     hits = _kernel_hits()
+                    block_hits = PATCH.stats.snapshot()["hits"].get("kda block", 0)
                     try:
                         with _kernels(kernels) if kernels is not None else contextlib.nullcontext():
-                            actual, plain = _run(language_model, batch)
+                            actual, plain = _run(language_model, batch, blocks)
                     finally:
                         registry.revert()
-                    name = f"tiny model {label} B={batch} {arm}"
+                    name = f"tiny model {run} {arm}"
                     if tally.compare(name, stock, actual) and plain != stock_plain:
                         tally.mismatches.append(f"{name}: cache offsets or padding differ")
+                    if blocks and PATCH.stats.snapshot()["hits"].get("kda block", 0) == block_hits:
+                        tally.mismatches.append(f"{name}: no block ran as compiled layers")
                     if kernels:
                         for patch, n in _kernel_hits().items():
                             ran[patch] = ran.get(patch, 0) + n - hits[patch]
@@ -153,7 +151,8 @@ def verify():
     for patch, n in sorted(ran.items()):
         if not n:
             tally.mismatches.append(f"{patch}'s kernel never ran inside the compiled layers")
-    tally.notes.append(f"{STEPS} greedy steps, logits and every cache array, stock vs layer_decode "
+    tally.notes.append(f"{STEPS} greedy steps, and {ROUNDS} verify blocks with rollbacks, logits and every "
+                       "cache array, stock vs layer_decode "
                        + ", ".join(a for a, _, _ in arms))
     if inconclusive:
         tally.notes.append("inconclusive, stock not repeatable here: " + ", ".join(inconclusive))
