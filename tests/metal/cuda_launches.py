@@ -159,6 +159,17 @@ def _qmv():
         kernel.qmv(mx.zeros((rows, 1, k), dtype), w, scales, scales, bits, group, **launch)
 
 
+def _block_qmv():
+    from glm53_patches.patches.block_qmv import kernel
+    from glm53_patches.patches.block_qmv.checks.verify import OTHER, REAL
+
+    cases = [(n, k, bits, 64, mx.bfloat16, 4, {}) for _, n, k, bits in REAL if k % 512 == 0]
+    for n, k, bits, group, dtype, positions, launch in cases + [case[1:] for case in OTHER]:
+        w = mx.zeros((n, k * bits // 32), mx.uint32)
+        scales = mx.zeros((n, k // group), dtype)
+        kernel.block_qmv(mx.zeros((positions, k), dtype), w, scales, scales, bits, group, **launch)
+
+
 PATCHES = {
     "router_select": _router,
     "expert_combine": _combine,
@@ -168,6 +179,7 @@ PATCHES = {
     "indexer_fp32": _indexer,
     "kda_prefill_kernel": _prefill,
     "exact_qmv": _qmv,
+    "block_qmv": _block_qmv,
 }
 
 

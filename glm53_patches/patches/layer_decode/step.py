@@ -67,6 +67,7 @@ COMPOSES = {
     "expert_combine": "traced in MoE layers",
     "dsa_decode": "eager indexer, row gather",
     "exact_qmv": "traced: the decode projections' matvec",
+    "block_qmv": "traced: a verify block's projections, each weight read once",
     "indexer_fp32": "eager indexer",
 }
 # Model code a decode step never calls: a patch on it alone (vault_cache's load-time

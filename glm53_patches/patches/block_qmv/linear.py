@@ -1,0 +1,92 @@
+"""The replacements for glm5_next's ``linear`` and ``tiled_linear``: short blocks through ``kernel.block_qmv``.
+
+glm5_next calls every projection as ``linear(module, x)`` or
+``tiled_linear(module, x)`` (``mlx_vlm.models.linear``; ``tiled_linear``
+hands blocks of up to 256 positions to ``linear``). For 2 to 8 positions
+(``DECODE_BLOCK_SIZE``: speculative verify blocks, a short prompt's chunk)
+``linear`` calls ``native_batch_linear``, which at batch 1, a 16-bit input
+and a width that is a multiple of 512 takes ``singleton_quantized_linear``:
+one ``gather_qmm`` over the positions, one row each, plus the module's bias.
+Below 8 positions MLX runs that gather as its ``gather_qmv`` kernel, qmv's
+arithmetic per position; ``kernel.block_qmv`` gives the same bits and reads
+the weights once. Every other call (one token, prefill, 8 positions, a batch,
+other modules, dtypes or widths, no CUDA, not verified here) goes to the
+function that was installed before, counted by reason where it was a block.
+"""
+
+import functools
+from typing import Optional
+
+import mlx.nn as nn
+from mlx_vlm.models.linear import DECODE_BLOCK_SIZE
+
+from glm53_patches.backend import gpu_backend
+from glm53_patches.kernel_switch import KernelSwitch
+from glm53_patches.patches.exact_qmv import kernel as qmv_kernel
+
+from . import PATCH
+from . import kernel
+
+stats = PATCH.stats
+switch = KernelSwitch(PATCH.name, backends=("cuda",))
+MAX_POSITIONS = 7  # gather_qmm takes gather_qmv below 8 (M * batch < 8); its tiled GEMM at 8
+
+
+def unsupported(module, x) -> Optional[str]:
+    """Why stock's ``linear(module, x)`` for a block ``x`` of ``[B, L, K]`` is not a call the kernel
+    reproduces, or None."""
+    if type(module) is not nn.QuantizedLinear:
+        return "module type"
+    if x.shape[0] != 1:
+        return "batch"  # stock: exact_quantized_linear, another path
+    if x.shape[1] > MAX_POSITIONS:
+        return "positions"
+    if module.mode != "affine" or module.bits not in qmv_kernel.BITS or module.group_size not in qmv_kernel.GROUPS:
+        return "quantization"
+    if x.dtype not in qmv_kernel.DTYPES or module["scales"].dtype != x.dtype or module["biases"].dtype != x.dtype:
+        return "dtype"
+    K = x.shape[-1]
+    if module["weight"].ndim != 2 or module["weight"].shape[1] * 32 != K * module.bits:
+        return "shape"
+    if K % 512:
+        return "width"  # native_batch_linear's singleton path wants K a multiple of 512
+    return None
+
+
+def project(module, x):
+    """``linear(module, x)`` for a short block through the kernel, or None (nothing built) where the
+    installed function must run."""
+    if x.ndim != 3 or not 1 < x.shape[1] <= DECODE_BLOCK_SIZE or getattr(module, "training", False):
+        return None  # one token, prefill, training: not counted, they are not this patch's calls
+    if gpu_backend() != "cuda":
+        stats.fallback("not CUDA")
+        return None
+    if not switch.wanted("cuda"):
+        stats.fallback("kernel off (not verified here)")
+        return None
+    reason = unsupported(module, x)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
+    stats.hit("kernel")
+    out = kernel.block_qmv(x[0], module["weight"], module["scales"], module["biases"], module.bits,
+                           module.group_size)[None]
+    if "bias" in module:
+        out = out + module["bias"]
+    return out
+
+
+def _replacement(original):
+    @functools.wraps(original)
+    def replacement(module, x):
+        out = project(module, x)
+        return original(module, x) if out is None else out
+
+    return replacement
+
+
+make_linear = make_tiled_linear = _replacement  # the same wrapper for both: each hands the rest to its original
+
+
+def clear():
+    switch.clear()

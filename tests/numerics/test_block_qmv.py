@@ -1,0 +1,202 @@
+"""block_qmv on the CPU: the wrapper steps aside, and routes exactly the block projections stock computes
+through its singleton (gather_qmv) path.
+
+The patch is one CUDA kernel behind glm5_next's ``linear`` and ``tiled_linear``
+(``glm53-patches verify block_qmv`` runs it against stock's block projection
+on a GPU; ``tests/metal/test_cuda_unchanged.py`` pins its text and launches).
+There is no CUDA here, so:
+
+* what the CPU user gets: stock, bit for bit, in speculative verify blocks,
+  every block call counted as "not CUDA"; revert, also stacked on exact_qmv;
+  ``verify`` (it must say the patch steps aside);
+* the coverage rules (``linear.unsupported``) on real ``QuantizedLinear``
+  modules: which calls the kernel takes, and the reason for each it leaves;
+* with CUDA pretended and the kernel replaced by a recorder that runs stock's
+  own singleton call (``gather_qmm`` over the positions) on what it is
+  handed: the tiny model's verify blocks stay bit for bit, so the wrapper
+  hands the kernel each module's weight, scales, biases, bits and group size,
+  the block's rows in order, and shapes the result as stock does; only blocks
+  of 2 to 7 positions reach it.
+
+The tiny model here has a hidden size of 512 and is served in bf16: the
+singleton path (and so the kernel) takes only 16-bit inputs whose width is a
+multiple of 512.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import glm53_patches
+from glm53_patches.exactness import same_bits
+from glm53_patches.patches import block_qmv
+from glm53_patches.patches.block_qmv import kernel, linear
+from glm53_patches.tiny_model import build_model, speculative_outputs
+
+NAME = "block_qmv"
+PROMPT = mx.array([[(5 * i + 2) % 500 for i in range(24)]])
+
+
+def assert_bitwise(expected, actual, what):
+    assert len(expected) == len(actual), what
+    for i, (a, b) in enumerate(zip(expected, actual)):
+        assert same_bits(a, b), f"{what} [{i}] differs (dtype, shape or bits)"
+
+
+def counts():
+    snapshot = block_qmv.PATCH.stats.snapshot()
+    return snapshot["hits"], snapshot["fallbacks"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny model at 4 bits, served in bf16, its hidden size 512 and every other quantized width 128."""
+    from glm53_patches.exactness import _served_dtype
+    from glm53_patches.tiny_model import gpu_widths
+
+    config = {**gpu_widths(), "hidden_size": 512}
+    return _served_dtype(build_model(seed=2, quantize_bits=4, **config), mx.bfloat16).language_model
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(model):
+    glm53_patches.disable()
+    return speculative_outputs(model, PROMPT)
+
+
+def quantized(out_dims, in_dims, bits=8, group=64, dtype=mx.bfloat16, bias=False):
+    layer = nn.Linear(in_dims, out_dims, bias=bias)
+    layer.set_dtype(dtype)
+    return nn.QuantizedLinear.from_linear(layer, group_size=group, bits=bits)
+
+
+@pytest.fixture
+def applied():
+    glm53_patches.disable()
+    block_qmv.PATCH.stats.reset()
+    glm53_patches.enable([NAME], strict=True)
+    yield
+    glm53_patches.disable()
+
+
+def test_on_the_cpu_stock_runs_bit_for_bit(model, stock_outputs, applied):
+    actual = speculative_outputs(model, PROMPT)
+    assert_bitwise(stock_outputs, actual, "verify blocks, block_qmv applied on the CPU")
+    hits, fallbacks = counts()
+    assert not hits
+    assert fallbacks.get("not CUDA", 0) >= 7  # every block's projections were offered, and declined
+
+
+def test_revert_restores_the_original_object():
+    """Alone, and stacked on exact_qmv (which wraps the same two functions for one-token calls)."""
+    from mlx_vlm.models import linear as upstream
+    from mlx_vlm.models.glm5_next import language
+
+    glm53_patches.disable()
+    originals = (language.linear, language.tiled_linear)
+    assert originals == (upstream.linear, upstream.tiled_linear)
+    for names in ([NAME], ["exact_qmv", NAME]):
+        glm53_patches.enable(names)
+        try:
+            assert (language.linear, language.tiled_linear) != originals
+            wrapped = language.linear
+            while hasattr(wrapped, "__wrapped__"):
+                wrapped = wrapped.__wrapped__
+            assert wrapped is originals[0]
+        finally:
+            glm53_patches.disable()
+        assert (language.linear, language.tiled_linear) == originals
+
+
+def test_coverage():
+    x = mx.zeros((1, 4, 512), mx.bfloat16)
+    assert linear.unsupported(quantized(256, 512), x) is None
+    for bits in (2, 3, 4, 5, 6):
+        assert linear.unsupported(quantized(256, 512, bits=bits), x) is None
+    assert linear.unsupported(quantized(256, 512, bias=True), x) is None  # its bias is added after the kernel
+    assert linear.unsupported(quantized(256, 512, group=32), x) is None
+    assert linear.unsupported(quantized(256, 512), mx.zeros((1, 7, 512), mx.bfloat16)) is None
+    assert linear.unsupported(quantized(256, 512), mx.zeros((1, 8, 512), mx.bfloat16)) == "positions"
+    assert linear.unsupported(quantized(256, 512), mx.zeros((2, 4, 512), mx.bfloat16)) == "batch"
+    assert linear.unsupported(quantized(256, 512, dtype=mx.float32), x.astype(mx.float32)) == "dtype"
+    assert linear.unsupported(quantized(256, 512), x.astype(mx.float16)) == "dtype"  # scales in bf16
+    assert linear.unsupported(quantized(256, 768), mx.zeros((1, 4, 768), mx.bfloat16)) == "width"
+    assert linear.unsupported(quantized(256, 1024), x) == "shape"
+    assert linear.unsupported(nn.Linear(512, 256), x) == "module type"
+    mxfp4 = nn.QuantizedLinear.from_linear(nn.Linear(512, 256), group_size=32, bits=4, mode="mxfp4")
+    assert linear.unsupported(mxfp4, x) == "quantization"
+
+
+def test_only_block_calls_are_offered(applied):
+    """One token, prefill, 2-D inputs and a module in training (stock's linear calls it directly) go to
+    the installed function without a count: they are not this patch's calls."""
+    layer = quantized(256, 512)
+    assert layer.training and linear.project(layer, mx.zeros((1, 4, 512), mx.bfloat16)) is None
+    layer.eval()
+    for shape in ((1, 1, 512), (1, 9, 512), (1, 300, 512), (4, 512)):
+        assert linear.project(layer, mx.zeros(shape, mx.bfloat16)) is None
+    assert counts() == ({}, {})
+    assert linear.project(layer, mx.zeros((1, 2, 512), mx.bfloat16)) is None
+    assert counts() == ({}, {"not CUDA": 1})
+
+
+def pretend_cuda(monkeypatch):
+    """CUDA pretended for the wrapper; the "kernel" records what it is handed and returns stock's own
+    singleton gather (``singleton_quantized_linear``'s ``gather_qmm``) on it. Returns the record."""
+    seen = []
+
+    def recorder(x, w, scales, biases, bits, group_size):
+        seen.append((x.shape, w.shape, bits, group_size))
+        indices = mx.zeros((1, x.shape[0], 1), dtype=mx.int32)
+        out = mx.gather_qmm(x[None, :, None, None], w[None], scales[None], biases[None], rhs_indices=indices,
+                            transpose=True, group_size=group_size, bits=bits, sorted_indices=False)
+        return out.reshape(x.shape[0], -1)
+
+    monkeypatch.setattr(linear, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernel, "block_qmv", recorder)
+    return seen
+
+
+def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stock_outputs):
+    seen = pretend_cuda(monkeypatch)
+    block_qmv.PATCH.stats.reset()
+    glm53_patches.enable([NAME], strict=True)
+    try:
+        with linear.switch.forcing(True):
+            actual = speculative_outputs(model, PROMPT)
+    finally:
+        glm53_patches.disable()
+    assert_bitwise(stock_outputs, actual, "verify blocks, the kernel's calls answered by stock's singleton gather")
+    assert seen and {shape[0] for shape, *_ in seen} == set(range(2, 8)), "blocks of 2 to 7 positions reach it"
+    assert all(shape[1] == 512 for shape, *_ in seen) and {(b, g) for *_, b, g in seen} == {(4, 64)}
+    hits, fallbacks = counts()
+    assert hits["kernel"] == len(seen)
+    assert fallbacks["positions"] > 0  # the 8-position block: stock's gather takes its GEMM there
+    assert set(fallbacks) <= {"positions", "width", "module type", "shape"}
+
+
+def test_layer_decode_traces_it_into_its_blocks(monkeypatch, model, stock_outputs):
+    """With layer_decode (which names block_qmv among the patches it composes) every verify block of
+    2 to 7 positions runs as layer_decode's compiled layers with the wrapper traced inside them."""
+    from glm53_patches.patches import layer_decode
+
+    seen = pretend_cuda(monkeypatch)
+    for patch in (block_qmv, layer_decode):
+        patch.PATCH.stats.reset()
+    glm53_patches.enable([NAME, "layer_decode"], strict=True)
+    try:
+        with linear.switch.forcing(True):
+            actual = speculative_outputs(model, PROMPT)
+    finally:
+        glm53_patches.disable()
+    assert_bitwise(stock_outputs, actual, "verify blocks, layer_decode with block_qmv traced in")
+    layers = layer_decode.PATCH.stats.snapshot()
+    assert "block_qmv patches linear" not in layers["fallbacks"]
+    assert layers["hits"]["kda block"] > 0 and layers["hits"]["dsa block"] > 0
+    assert seen and {shape[0] for shape, *_ in seen} <= set(range(2, 8))  # traced once per layer kind and shape
+
+
+def test_verify_on_the_cpu():
+    result = block_qmv.PATCH.verify()
+    assert result["exact"] and result["cases"] == 8, result["detail"]
+    assert "steps aside" in result["detail"]
