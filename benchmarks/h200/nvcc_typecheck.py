@@ -1,0 +1,78 @@
+"""Type-check CUDA kernel text with nvcc, on a machine without a GPU, the way MLX 0.32 wraps it.
+
+``mx.fast.cuda_kernel`` compiles (with NVRTC) its default header, the kernel's
+header, then ``__global__ void NAME(inputs, [x_shape,] outputs)`` whose body
+declares the template arguments and holds the source. This builds the same
+text for block_qmv (every width, 2/4/7 positions, 1 and 2 rows per warp) and,
+as a control, exact_qmv's verified kernel, with a small stand-in for MLX's
+default header (``Shape``), and compiles it for sm_90 with nvcc against the
+cutlass headers of MLX's CUDA wheel. ``--ptxas`` prints registers and spills.
+
+    pip download --no-deps mlx-cuda-13==0.32.4 -d /tmp/w && unzip -q /tmp/w/*.whl -d /tmp/w/x
+    python benchmarks/h200/nvcc_typecheck.py --include /tmp/w/x/mlx/include [--ptxas]
+
+It shows the text compiles; only a GPU's ``verify`` shows what it computes.
+"""
+
+import argparse
+import itertools
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from glm53_patches.patches.block_qmv import kernel as block
+from glm53_patches.patches.exact_qmv import kernel as single
+
+STAND_IN = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <cooperative_groups.h>
+struct Shape { int32_t v[8]; __device__ int32_t operator[](int i) const { return v[i]; } };
+"""
+CUDA_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+
+
+def unit(index, spec, template):
+    """One kernel as MLX builds it, its header's namespace made unique so that many fit one file."""
+    source, header = spec["cuda"]
+    t = template[0][1]
+    name = f"{spec['name']}_{index}"
+    text = header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+    text += (f"__global__ void {name}(const {t}* x, const uint32_t* w, const {t}* scales, "
+             f"const __grid_constant__ Shape scales_shape, const {t}* biases, {t}* out) {{\n")
+    text += "".join(f"  using {k} = {v};\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
+    text += source + "\n}\n}\n"
+    return text.replace("glm53_qmv", f"glm53_qmv_{index}")
+
+
+def units():
+    out = []
+    for t, bits, positions, rpw in itertools.product(CUDA_TYPES.values(), (2, 3, 4, 5, 6, 8), (2, 4, 7), (1, 2)):
+        out.append((block.BLOCK_QMV, [("T", t), ("BITS", bits), ("GROUP", 64), ("K", 4096), ("POSITIONS", positions),
+                                      ("WARPS", block.WARPS), ("RPW", rpw)]))
+    out.append((single.QMV, [("T", CUDA_TYPES["bf16"]), ("BITS", 6), ("GROUP", 64), ("K", 4096), ("AHEAD", 1),
+                             ("WARPS", 4), ("RPW", 2)]))  # the control: passed CUDA verify (s28)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--include", required=True, help="the include folder of MLX's CUDA wheel (cutlass)")
+    parser.add_argument("--ptxas", action="store_true", help="print registers and spills per kernel")
+    args = parser.parse_args()
+    folder = pathlib.Path(tempfile.mkdtemp())
+    (folder / "kernels.cu").write_text(STAND_IN + "\n".join(unit(i, *u) for i, u in enumerate(units())))
+    command = ["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-o", str(folder / "kernels.o"), f"-I{args.include}",
+               "--expt-relaxed-constexpr", str(folder / "kernels.cu")] + (["-Xptxas", "-v"] if args.ptxas else [])
+    result = subprocess.run(command, capture_output=True, text=True)
+    for line in result.stderr.splitlines():
+        if result.returncode or "registers" in line or "spill" in line or "Compiling entry" in line:
+            print(line)
+    print(f"nvcc rc={result.returncode} for {len(units())} kernels")
+    sys.exit(result.returncode)
+
+
+if __name__ == "__main__":
+    main()
