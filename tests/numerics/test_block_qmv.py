@@ -28,19 +28,13 @@ import mlx.nn as nn
 import pytest
 
 import glm53_patches
-from glm53_patches.exactness import same_bits
 from glm53_patches.patches import block_qmv
 from glm53_patches.patches.block_qmv import kernel, linear
 from glm53_patches.tiny_model import build_model, speculative_outputs
+from test_exact_qmv import assert_bitwise  # the same bit-for-bit list comparison
 
 NAME = "block_qmv"
 PROMPT = mx.array([[(5 * i + 2) % 500 for i in range(24)]])
-
-
-def assert_bitwise(expected, actual, what):
-    assert len(expected) == len(actual), what
-    for i, (a, b) in enumerate(zip(expected, actual)):
-        assert same_bits(a, b), f"{what} [{i}] differs (dtype, shape or bits)"
 
 
 def counts():
@@ -140,9 +134,12 @@ def test_only_block_calls_are_offered(applied):
     assert counts() == ({}, {"not CUDA": 1})
 
 
-def pretend_cuda(monkeypatch):
-    """CUDA pretended for the wrapper; the "kernel" records what it is handed and returns stock's own
-    singleton gather (``singleton_quantized_linear``'s ``gather_qmm``) on it. Returns the record."""
+def run_pretending_cuda(monkeypatch, model, names):
+    """The verify blocks with ``names`` applied (their counters reset) and the kernel forced on, CUDA
+    pretended for the wrapper; the "kernel" records what it is handed and returns stock's own singleton
+    gather (``singleton_quantized_linear``'s ``gather_qmm``) on it. Returns the outputs and the record."""
+    from glm53_patches import registry
+
     seen = []
 
     def recorder(x, w, scales, biases, bits, group_size):
@@ -154,18 +151,18 @@ def pretend_cuda(monkeypatch):
 
     monkeypatch.setattr(linear, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(kernel, "block_qmv", recorder)
-    return seen
+    for name in names:
+        registry.available()[name].stats.reset()
+    glm53_patches.enable(names, strict=True)
+    try:
+        with linear.switch.forcing(True):
+            return speculative_outputs(model, PROMPT), seen
+    finally:
+        glm53_patches.disable()
 
 
 def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stock_outputs):
-    seen = pretend_cuda(monkeypatch)
-    block_qmv.PATCH.stats.reset()
-    glm53_patches.enable([NAME], strict=True)
-    try:
-        with linear.switch.forcing(True):
-            actual = speculative_outputs(model, PROMPT)
-    finally:
-        glm53_patches.disable()
+    actual, seen = run_pretending_cuda(monkeypatch, model, [NAME])
     assert_bitwise(stock_outputs, actual, "verify blocks, the kernel's calls answered by stock's singleton gather")
     assert seen and {shape[0] for shape, *_ in seen} == set(range(2, 8)), "blocks of 2 to 7 positions reach it"
     assert all(shape[1] == 512 for shape, *_ in seen) and {(b, g) for *_, b, g in seen} == {(4, 64)}
@@ -180,15 +177,7 @@ def test_layer_decode_traces_it_into_its_blocks(monkeypatch, model, stock_output
     2 to 7 positions runs as layer_decode's compiled layers with the wrapper traced inside them."""
     from glm53_patches.patches import layer_decode
 
-    seen = pretend_cuda(monkeypatch)
-    for patch in (block_qmv, layer_decode):
-        patch.PATCH.stats.reset()
-    glm53_patches.enable([NAME, "layer_decode"], strict=True)
-    try:
-        with linear.switch.forcing(True):
-            actual = speculative_outputs(model, PROMPT)
-    finally:
-        glm53_patches.disable()
+    actual, seen = run_pretending_cuda(monkeypatch, model, [NAME, "layer_decode"])
     assert_bitwise(stock_outputs, actual, "verify blocks, layer_decode with block_qmv traced in")
     layers = layer_decode.PATCH.stats.snapshot()
     assert "block_qmv patches linear" not in layers["fallbacks"]

@@ -81,13 +81,9 @@ def decode(language_model, tokens, steps=STEPS, cache=None):
 
 def left_padded_batch(language_model):
     """Three prompts of different lengths, left-padded, with mlx-vlm's batch caches (as the server makes them)."""
-    from mlx_vlm.generate.ar import _make_cache
+    from glm53_patches.patches.layer_decode.checks.bench import prompt
 
-    prompts = [PROMPT, PROMPT[3:], PROMPT[:5]]
-    width = max(len(p) for p in prompts)
-    padding = [width - len(p) for p in prompts]
-    tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
-    return tokens, _make_cache(language_model, padding)
+    return prompt(language_model, 3)
 
 
 # -- what the model's structure says to expect -------------------------------------------------

@@ -26,7 +26,7 @@ DSA layer, two functions around what grows with the context:
     front (x, layer) -> h, q_resid, q, new latent, post, comb
         collapse, then Glm5NextAttention.__call__'s projections
     [eager, in step.py: latent KVCache update, the installed indexer (or the
-     previous layer's top-k), each position's gather of its selected latent rows]
+     previous layer's top-k), one gather of every position's selected latent rows]
     back (q, selected, valid, x, post, comb, layer) -> x
         Glm5NextAttention._attend's decode attention, position by position as
         stock loops them, over each position's selected rows ([B, L, K, C]: a

@@ -38,7 +38,6 @@ from .. import PATCH
 STEPS = 16
 ROUNDS = 7  # speculative verify blocks: one of each length 2 to 8
 DECODE = ("compiled_kda_decode", "fused_kda_kernel", "hc_decode", "router_select", "expert_combine", "dsa_decode")
-PROMPT = [3, 17, 42, 99, 100, 7, 8, 200, 31, 64, 77, 5]
 # kernel patch -> (its switch's module, the hit its kernel counts)
 KERNELS = {
     "hc_decode": ("glm53_patches.patches.hc_decode.layer", "hc kernel traced"),  # counted by layer_decode
@@ -52,17 +51,11 @@ KERNELS = {
 def _run(language_model, batch, blocks):
     """Greedy decode or verify blocks: every step's (and block's) logits, then the cache's arrays
     (plain fields compared here)."""
-    from mlx_vlm.generate.ar import _make_cache
-
     from glm53_patches.tiny_model import greedy_logits, speculative_logits
 
-    if batch == 1:
-        tokens, cache = mx.array([PROMPT]), language_model.make_cache()
-    else:
-        prompts = [PROMPT, PROMPT[3:], PROMPT[:5]]
-        padding = [len(PROMPT) - len(p) for p in prompts]
-        tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
-        cache = _make_cache(language_model, padding)
+    from .bench import prompt
+
+    tokens, cache = prompt(language_model, batch)
     if blocks:
         logits, cache = speculative_logits(language_model, tokens, ROUNDS, cache)
     else:
