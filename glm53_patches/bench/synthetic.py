@@ -166,13 +166,13 @@ def build(config, dtype=mx.bfloat16, seed=0, progress=None):
 
     language = import_language()
     model = language.LanguageModel(config)
-    model.eval()
     nn.quantize(
         model,
         class_predicate=lambda p, m: (lambda b: {"group_size": GROUP, "bits": b, "mode": "affine"} if b else False)(
             _bits_for(config, p, m)
         ),
     )
+    model.eval()  # after quantizing, as mlx-vlm's load_model: new Quantized* modules start in training mode
     parts = [("model.embed_tokens", model.model.embed_tokens), ("model.norm", model.model.norm)]
     if not config.tie_word_embeddings:
         parts.append(("lm_head", model.lm_head))

@@ -241,6 +241,15 @@ def test_bytes_per_token_matches_an_independent_count(run):
     assert synthetic.decode_bytes(model, config)["total"] == pytest.approx(_expected_decode_bytes(config, 2, 2))
 
 
+def test_the_synthetic_model_is_in_eval_mode_as_a_loaded_one():
+    """mlx-vlm's load_model calls eval() after quantizing; the Quantized* modules nn.quantize makes start
+    in training mode, and stock's ``linear`` then sends a verify block through ``module(x)`` instead of
+    the singleton path a server takes (s31-s33's block figures ran that way)."""
+    config = synthetic.text_config("small")
+    model = synthetic.build(config, dtype=mx.float32)
+    assert [name for name, module in model.named_modules() if module.training] == []
+
+
 def test_context_caches_match_a_real_prefill():
     """The synthetic context has the shapes and dtypes a real prefill leaves
     (except the prefill-only projected MLA cache, which decode never reads)."""
