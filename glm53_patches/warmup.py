@@ -13,6 +13,12 @@ chunk and a partial one), a streamed request and concurrent requests
 lives and how many kernels the run added to it. Running it again adds
 nothing and is quick: every kernel is already there.
 
+With ``--draft-model DRAFT_DIR`` (and ``--draft-kind``, as the server takes
+them) the server speculates, so the same requests also compile the drafter's
+forward and the verify blocks (up to 8 tokens, the patches' block paths);
+warmup says how many draft rounds ran, and fails if the server never
+speculated.
+
 Metal keeps no such cache (MLX builds its Metal kernels in each process):
 there the run still checks that the server loads DIR and answers, and says
 that nothing is kept.
@@ -99,6 +105,7 @@ class _Server:
 
     def __init__(self, model, log_path, server_args=()):
         self.model, self.port, self.log_path = model, _free_port(), log_path
+        self.draft_rounds = None  # summed from the replies' timings, where the server reports them
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "mlx_vlm.server", "--model", str(model), "--host", "127.0.0.1",
@@ -133,7 +140,11 @@ class _Server:
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 if not stream:
-                    return json.loads(response.read()).get("usage") or {}
+                    reply = json.loads(response.read())
+                    rounds = (reply.get("timings") or {}).get("draft_rounds")
+                    if rounds is not None:
+                        self.draft_rounds = (self.draft_rounds or 0) + rounds
+                    return reply.get("usage") or {}
                 usage = {}
                 for raw in response:
                     line = raw.decode().strip()
@@ -160,11 +171,25 @@ def prompt_of(words):
     return ("Summarise the following notes. " + "note " * words).strip()
 
 
-def run(model, *, chunk=None, max_tokens=8, concurrent=2, server_args=(), ready_timeout=900, out=sys.stdout):
+def check_drafter(folder):
+    """A --draft-model folder the server can be pointed at (cheap: nothing loaded); CheckpointError if not."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"--draft-model {folder}: no such folder")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"--draft-model {folder}: no config.json in it (not a drafter checkpoint)")
+
+
+def run(model, *, chunk=None, max_tokens=8, concurrent=2, draft_model=None, draft_kind=None, server_args=(),
+        ready_timeout=900, out=sys.stdout):
     """Warm MLX's kernel cache for ``model`` through the stock server; returns a summary dict."""
     from .backend import current
 
     config = check(model)  # CheckpointError: a bad --model, before any server starts
+    if draft_model is not None:
+        check_drafter(draft_model)
+        server_args = (*server_args, "--draft-model", str(draft_model),
+                       *(("--draft-kind", draft_kind) if draft_kind else ()))
     chunk = chunk or int(os.environ.get("PREFILL_STEP_SIZE") or DEFAULT_CHUNK)
     limit = (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
     target = chunk + 64 if not limit else min(chunk + 64, int(limit) - max_tokens - 8)
@@ -208,12 +233,20 @@ def run(model, *, chunk=None, max_tokens=8, concurrent=2, server_args=(), ready_
             if errors:
                 raise errors[0]
             progress.end(started)
+            summary["draft_rounds"] = server.draft_rounds
+            if draft_model is not None and server.draft_rounds == 0:
+                raise WarmupError(f"the server loaded the drafter {draft_model} but never speculated; its verify "
+                                  f"blocks were not compiled:\n{server.log_tail()}")
         finally:
             started = progress.start("stop the server")
             server.stop()
             progress.end(started)
     after = _files(cache)
     summary.update(kernels_before=before, kernels_after=after)
+    if draft_model is not None:
+        rounds = summary["draft_rounds"]
+        print(f"speculated with {draft_model}: " + (f"{rounds} draft rounds, each a verify block" if rounds is not None
+              else "this mlx-vlm's replies do not count draft rounds"), file=out)
     if cache is None:
         print(f"warmed up {model} on {backend}: MLX keeps no kernel cache on disk for this backend, so nothing "
               "carries over to the next server; the server loaded the model and answered", file=out)
@@ -226,8 +259,12 @@ def run(model, *, chunk=None, max_tokens=8, concurrent=2, server_args=(), ready_
 
 
 def cmd_warmup(args):
+    if args.draft_kind and not args.draft_model:
+        print("glm53-patches warmup: --draft-kind needs --draft-model", file=sys.stderr)
+        return 2
     try:
-        run(args.model, chunk=args.chunk, max_tokens=args.max_tokens, concurrent=args.concurrent)
+        run(args.model, chunk=args.chunk, max_tokens=args.max_tokens, concurrent=args.concurrent,
+            draft_model=args.draft_model, draft_kind=args.draft_kind)
     except (CheckpointError, WarmupError) as exc:
         print(f"glm53-patches warmup: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, CheckpointError) else 1
@@ -243,4 +280,8 @@ def add_parser(commands):
                         help=f"the server's prefill chunk (default: PREFILL_STEP_SIZE, else {DEFAULT_CHUNK})")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default 8)")
     parser.add_argument("--concurrent", type=int, default=2, help="concurrent requests at the end (default 2)")
+    parser.add_argument("--draft-model", default=None, metavar="DRAFT_DIR",
+                        help="the drafter the server will speculate with (passed to it as --draft-model)")
+    parser.add_argument("--draft-kind", default=None, metavar="KIND",
+                        help="the server's --draft-kind (e.g. mtp; default: the server detects it)")
     parser.set_defaults(run=cmd_warmup)

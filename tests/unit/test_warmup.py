@@ -22,6 +22,7 @@ import mlx.core as mx
 import pytest
 
 from glm53_patches import warmup
+from glm53_patches.tiny_drafter import write_tiny_drafter
 
 CHUNK = 64
 
@@ -58,6 +59,34 @@ def test_warmup_runs_the_server_through_its_first_requests_and_again(tiny_q4_dir
     published = list((tmp_path / "state").glob("*.json"))  # the server ran with the caller's patches
     assert published and any(json.loads(p.read_text())["patches"].get("compiled_kda_decode", {}).get("state")
                              == "applied" for p in published if p.name[0].isdigit())
+
+
+def test_warmup_with_a_drafter_compiles_the_verify_blocks(tiny_q4_dir, tmp_path):
+    """The server speculates during warmup: draft rounds are counted, the patches ran verify blocks,
+    and a second run (one request at a time, greedy) adds no kernel."""
+    drafter = write_tiny_drafter(tiny_q4_dir, tmp_path / "drafter")
+    speculate = ("--concurrent", "1", "--draft-model", str(drafter), "--draft-kind", "mtp")
+    for attempt in (1, 2):
+        done = _warmup(tiny_q4_dir, tmp_path, *speculate)
+        assert done.returncode == 0, done.stderr
+        rounds = re.search(r"speculated with (.+): (\d+) draft rounds, each a verify block", done.stdout)
+        assert rounds and rounds.group(1) == str(drafter) and int(rounds.group(2)) > 0, done.stdout
+        new = int(re.search(r"kernel cache: .+ \(\d+ files, (\d+) new\)", done.stdout).group(1))
+        assert (new > 0) if attempt == 1 else (new == 0), done.stdout
+    published = [json.loads(p.read_text()) for p in (tmp_path / "state").glob("*.json") if p.name[0].isdigit()]
+    blocks = [r["patches"]["layer_decode"]["stats"]["hits"].get("kda block", 0) for r in published
+              if "layer_decode" in r["patches"]]
+    assert blocks and all(n > 0 for n in blocks), blocks  # each warmup's server ran verify blocks through the patches
+
+
+def test_a_bad_drafter_is_refused_in_one_line(tiny_q4_dir, tmp_path):
+    for folder, expected in [(tmp_path / "nowhere", "no such folder"), (tmp_path, "no config.json")]:
+        done = _warmup(tiny_q4_dir, tmp_path, "--draft-model", str(folder))
+        assert done.returncode == 2 and "1/6" not in done.stderr  # no server was started
+        assert done.stderr.strip() == f"glm53-patches warmup: --draft-model {folder}: {expected}" + (
+            " in it (not a drafter checkpoint)" if expected == "no config.json" else "")
+    done = _warmup(tiny_q4_dir, tmp_path, "--draft-kind", "mtp")
+    assert done.returncode == 2 and done.stderr.strip() == "glm53-patches warmup: --draft-kind needs --draft-model"
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "llama", "no weights"])
