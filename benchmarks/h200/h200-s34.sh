@@ -4,7 +4,8 @@
 # projection through module(x), not the singleton gather a loaded (eval) model takes. With the
 # synthetic model now in eval mode, this times blocks of 1, 2 and 4 tokens at 4,096 tokens of context,
 # stock against D + layer_decode with and without block_qmv, kernels forced on, every block checked
-# against stock bit for bit. One foreground call on a cold machine: it tars /root/res to $OUT itself.
+# against stock bit for bit; then, if time is left, the micro rows s34 did not reach (dense MLP, lm_head).
+# One foreground call on a cold machine: the caller tars /root/res to $OUT.
 # Usage: h200-s34.sh BUDGET
 BUDGET=${1:-540}
 . "$(dirname "$0")/stages.sh"
@@ -14,4 +15,7 @@ D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+ds
 stage verify_blocks $(( $(left) - 15 )) $B --layers 45 --experts 64 --sections verify --contexts 4096 \
   --prefill '' --verify-blocks ${BLOCKS:-1,2,4} --arms stock,$D,$D+block_qmv --rounds 3 --steps 4 --warmup 1 \
   --check-steps 1 --budget-s $(( $(left) - 40 )) --no-png --out $RES/verify_blocks.json
+# what s34's micro run did not reach (it stopped at 210 s), if time is left
+stage micro_rest $(( $(left) - 10 )) $PY "$(dirname "$0")/micro_block_qmv.py" --positions 2,4,7 \
+  --only "shared expert down,dense MLP gate_up,dense MLP down,lm_head" --out $RES/micro_block_qmv_rest.json
 echo "$(date +%T) done after $(( $(date +%s) - START ))s" >> $RES/stages.txt

@@ -13,7 +13,7 @@ block would save: each projection's saving at the default launch times how
 often a 45-layer step calls it. ``MICRO_SMALL=1`` shrinks everything for a CPU
 dry run (the kernel arms need CUDA and are skipped there).
 
-Usage: python micro_block_qmv.py [--out FILE.json]
+Usage: python micro_block_qmv.py [--out FILE.json] [--positions 2,4,7] [--only LABEL,...]
 """
 
 import argparse
@@ -65,16 +65,20 @@ def measure(label, n, k, bits, positions, arms):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="micro_block_qmv.json")
+    parser.add_argument("--positions", default=",".join(map(str, POSITIONS)), help="block sizes (default 2,4,7)")
+    parser.add_argument("--only", default="", help="comma-separated labels to measure (default: all)")
     args = parser.parse_args()
+    positions = [int(p) for p in args.positions.split(",")]
+    only = {label.strip() for label in args.only.split(",") if label.strip()}
     on_cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
     results = {"device": str(mx.default_device()), "copy_gbps": copy_ceiling(),
                "launch_default": dict(warps=kernel.WARPS, rpw=kernel.RPW), "rows": []}
     print(f"copy ceiling {results['copy_gbps']:.0f} GB/s", flush=True)
-    for label, n, k, bits in [shape for shape in REAL if shape[2] % 512 == 0]:
-        for positions in POSITIONS:
-            row = measure(label, n, k, bits, positions, SWEEP if on_cuda else {})
+    for label, n, k, bits in [shape for shape in REAL if shape[2] % 512 == 0 and (not only or shape[0] in only)]:
+        for p in positions:
+            row = measure(label, n, k, bits, p, SWEEP if on_cuda else {})
             results["rows"].append(row)
-            print(f"{label:24s} {row['n']:>6}x{row['k']:<5} {bits}b P={positions} " + "  ".join(
+            print(f"{label:24s} {row['n']:>6}x{row['k']:<5} {bits}b P={p} " + "  ".join(
                 f"{a}: {r['us']:8.1f} us {r['gbps']:6.0f} GB/s {'exact' if r['exact'] else 'DIFFERS'}"
                 for a, r in row["arms"].items()), flush=True)
     if on_cuda:
