@@ -201,10 +201,14 @@ def _verify_blocks(results, labels):
             columns.append((f"L={top} / own L=1", {l: f"{ms[top] / ms[1]:.2f}x" for l, ms in arms.items()
                                                     if 1 in ms and top in ms}))
             columns.append(("extra token, x step", {l: f"{c:.2f}" for l, c in costs.get(context, {}).items()}))
+        columns += [(f"tok/s, {size} a round", {l: _num(size * 1000 / ms[size]) for l, ms in arms.items() if size in ms})
+                    for size in sizes]
         blocks.append((f"speculative verify blocks at a {context}-token context: ms per block of L tokens "
                        "(the bonus token and L - 1 drafts, then a commit); build: the ms of it spent building the graph "
                        "(the commit before, the forward), before its evaluation; extra token: each token past the "
-                       "first, as a fraction of the arm's own single-token step", columns))
+                       "first, as a fraction of the arm's own single-token step; tok/s, n a round: the rate when every "
+                       "round yields n tokens from an n-token block (all drafts accepted; the drafter's own time left "
+                       "out)", columns))
     return blocks
 
 

@@ -128,6 +128,9 @@ def test_verify_blocks_are_timed_checked_and_tabled(run):
     title = "speculative verify blocks at a 96-token context"
     assert _column(lines, title, "L=3 ms", "bench_probe_wrong").endswith("WRONG")
     assert float(_column(lines, title, "extra token, x step", "stock")) == pytest.approx(costs[96]["stock"], abs=5e-3)
+    for block in (1, 3):  # what speculation at `block` tokens a round implies: block tokens per block's ms
+        rate = block * 1000 / table[96]["bench_probe_exact"][block]
+        assert float(_column(lines, title, f"tok/s, {block} a round", "bench_probe_exact")) == pytest.approx(rate, rel=0.01)
     build = r["verify"]["96/3"]["arms"]["stock"]["build_ms"]  # the graph's build, part of the block's time
     assert 0 < build["median"] < r["verify"]["96/3"]["arms"]["stock"]["median"]
     assert float(_column(lines, title, "L=3 build", "stock")) == pytest.approx(build["median"], rel=0.05, abs=0.05)
