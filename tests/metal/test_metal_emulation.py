@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from glm53_patches.checks.metal import cases, emulate
-from glm53_patches.checks.metal.emulate import dsa_decode, expert_combine, fused_kda_kernel, hc_decode, router_select
+from glm53_patches.checks.metal.emulate import (block_qmv, dsa_decode, expert_combine, fused_kda_kernel, hc_decode,
+                                                router_select)
 from glm53_patches.patches.dsa_decode.checks import host_check
 from glm53_patches.patches.expert_combine import kernel as combine
 
@@ -367,6 +368,69 @@ def test_dsa_decode_mutations_fail(tmp_path, mutation):
     assert emulate.differences(result)
 
 
+# ---- block_qmv: affine_gather_qmv_fast, qmv_fast_impl once per position
+
+
+def _block_inputs(n, k, positions, bits, group, dtype, seed=0):
+    key_w, key_x = mx.random.split(mx.random.key(seed))
+    w = (mx.random.normal((n, k), key=key_w) * k**-0.5).astype(dtype)
+    return (mx.random.normal((positions, k), key=key_x).astype(dtype), *mx.quantize(w, group_size=group, bits=bits))
+
+
+def _block_twin(n, k, positions, bits, group, dtype, edit):
+    from glm53_patches.patches.block_qmv import kernel
+
+    text = emulate.generated(lambda *a: kernel.block_qmv(*a, bits, group, backend="metal"),
+                             *_block_inputs(n, k, positions, bits, group, dtype))
+    edited = edit(text)
+    assert edited != text, "the mutation did not apply"
+    return edited
+
+
+# every bit width the patch takes at 2 and 7 positions; float16, groups 32 and 128, 3 to 5 positions, K of 1 to 4 blocks
+BLOCK_CASES = ([(bits, positions, mx.bfloat16, 64, 1024) for bits in (2, 3, 4, 5, 6, 8) for positions in (2, 7)]
+               + [(4, 4, mx.float16, 64, 512), (8, 3, mx.float16, 32, 1024), (4, 5, mx.bfloat16, 128, 2048),
+                  (6, 4, mx.bfloat16, 32, 512)])
+
+
+@pytest.mark.parametrize("bits, positions, dtype, group, k", BLOCK_CASES)
+def test_block_qmv_matches_gather_qmv_fast(tmp_path, bits, positions, dtype, group, k):
+    x, w, scales, biases = _block_inputs(24, k, positions, bits, group, dtype)
+    _agree(block_qmv.run(tmp_path, x, w, scales, biases, bits, group))
+
+
+BLOCK_MUTATIONS = {
+    # each position's qdot with the first position's input sum (the bias term)
+    "another position's input sum": lambda t: t.replace("x_thread[p], s, b, sum[p])", "x_thread[p], s, b, sum[0])"),
+    # a scale and bias per block of values instead of per group
+    "one scale per block": lambda t: t.replace("sc += block_size / GROUP;", "sc += 1;"),
+    # each position's partial sums reduced before the last block (qmv reduces once, at the end)
+    "reduced per block": lambda t: t.replace(
+        "    xs += block_size;\n",
+        "    xs += block_size;\n    for (int p = 0; p < POSITIONS; p++) { result[p][0] = simd_sum(result[p][0]); }\n"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(BLOCK_MUTATIONS))
+def test_block_qmv_mutations_fail(tmp_path, mutation):
+    twin = _block_twin(24, 1024, 3, 4, 64, mx.bfloat16, BLOCK_MUTATIONS[mutation])
+    x, w, scales, biases = _block_inputs(24, 1024, 3, 4, 64, mx.bfloat16)
+    assert emulate.differences(block_qmv.run(tmp_path, x, w, scales, biases, 4, 64, twin_source=twin))
+
+
+def test_block_qmv_calls_the_installed_mlx_helpers():
+    """The twin's load_vector and qdot are the installed MLX's own text, the functions qmv_fast_impl calls."""
+    from glm53_patches.patches.block_qmv import kernel
+
+    text = emulate.generated(lambda *a: kernel.block_qmv(*a, 4, 64, backend="metal"),
+                             *_block_inputs(16, 512, 2, 4, 64, mx.bfloat16))
+    for start in ("inline U load_vector(const device T* x, thread U* x_thread)", "inline U qdot("):
+        mlx_text = (emulate.HEADERS / "quantized.h").read_text()
+        function = emulate.excerpt("quantized.h", start).split("\n", 1)[1]
+        assert mlx_text.count(function.rstrip("\n")) == 1 and function in text, start
+    assert "load_vector<T, U, values_per_thread, bits>(x, x_thread)" in block_qmv.stock_text()
+
+
 # ---- the hardware's unknowns: simd_sum order, thread order, contraction
 
 
@@ -386,6 +450,7 @@ def test_agreement_does_not_depend_on_simd_sum_order(tmp_path, variant):
     scores, key_valid, limit, query_valid, select_k, kpool, topk, tail = case
     _agree(dsa_decode.run(tmp_path, scores, key_valid, limit, query_valid, select_k, kpool=kpool, topk=topk,
                           tail=tail, **options))
+    _agree(block_qmv.run(tmp_path, *_block_inputs(24, 1024, 5, 6, 64, mx.bfloat16), 6, 64, **options))
 
 
 def test_hc_decode_agrees_under_contraction(tmp_path):
@@ -393,3 +458,10 @@ def test_hc_decode_agrees_under_contraction(tmp_path):
     (upstream's statements, regrouped) still matches. Whether the Metal compiler contracts them alike is unknown here."""
     for name in ("mlx.core.bfloat16 batch 3, hidden 128", "mlx.core.float32 batch 1, hidden 4096"):
         _agree(hc_decode.run(tmp_path, *dict(HC_CASES)[name], contract=True))
+
+
+def test_block_qmv_agrees_under_contraction(tmp_path):
+    """With g++ contracting a * b + c into fmas on both sides, the block twin (stock's qdot, called per position)
+    still matches: both sides compile the same function. Whether Metal inlines it alike is for a Mac's verify."""
+    for bits in (4, 8):
+        _agree(block_qmv.run(tmp_path, *_block_inputs(24, 1024, 4, bits, 64, mx.bfloat16), bits, 64, contract=True))

@@ -1,17 +1,18 @@
 """block_qmv on the CPU: the wrapper steps aside, and routes exactly the block projections stock computes
 through its singleton (gather_qmv) path.
 
-The patch is one CUDA kernel behind glm5_next's ``linear`` and ``tiled_linear``
-(``glm53-patches verify block_qmv`` runs it against stock's block projection
-on a GPU; ``tests/metal/test_cuda_unchanged.py`` pins its text and launches).
-There is no CUDA here, so:
+The patch is one kernel (a CUDA one and a Metal twin) behind glm5_next's
+``linear`` and ``tiled_linear`` (``glm53-patches verify block_qmv`` runs it
+against stock's block projection on a GPU; ``tests/metal/test_cuda_unchanged.py``
+pins its CUDA text and launches, ``tests/metal`` type-checks and emulates the
+Metal twin). There is no GPU here, so:
 
 * what the CPU user gets: stock, bit for bit, in speculative verify blocks,
-  every block call counted as "not CUDA"; revert, also stacked on exact_qmv;
+  every block call counted as "no GPU"; revert, also stacked on exact_qmv;
   ``verify`` (it must say the patch steps aside);
 * the coverage rules (``linear.unsupported``) on real ``QuantizedLinear``
   modules: which calls the kernel takes, and the reason for each it leaves;
-* with CUDA pretended and the kernel replaced by a recorder that runs stock's
+* with CUDA or Metal pretended and the kernel replaced by a recorder that runs stock's
   own singleton call (``gather_qmm`` over the positions) on what it is
   handed: the tiny model's verify blocks stay bit for bit, so the wrapper
   hands the kernel each module's weight, scales, biases, bits and group size,
@@ -78,7 +79,7 @@ def test_on_the_cpu_stock_runs_bit_for_bit(model, stock_outputs, applied):
     assert_bitwise(stock_outputs, actual, "verify blocks, block_qmv applied on the CPU")
     hits, fallbacks = counts()
     assert not hits
-    assert fallbacks.get("not CUDA", 0) >= 7  # every block's projections were offered, and declined
+    assert fallbacks.get("no GPU", 0) >= 7  # every block's projections were offered, and declined
 
 
 def test_revert_restores_the_original_object():
@@ -119,6 +120,10 @@ def test_coverage():
     assert linear.unsupported(nn.Linear(512, 256), x) == "module type"
     mxfp4 = nn.QuantizedLinear.from_linear(nn.Linear(512, 256), group_size=32, bits=4, mode="mxfp4")
     assert linear.unsupported(mxfp4, x) == "quantization"
+    # Metal: stock's gather_qmv_fast (the twin's order) wants the rows a multiple of 8
+    assert linear.unsupported(quantized(256, 512), x, "metal") is None
+    assert linear.unsupported(quantized(260, 512), x, "metal") == "rows"
+    assert linear.unsupported(quantized(260, 512), x, "cuda") is None
 
 
 def test_only_block_calls_are_offered(applied):
@@ -131,25 +136,44 @@ def test_only_block_calls_are_offered(applied):
         assert linear.project(layer, mx.zeros(shape, mx.bfloat16)) is None
     assert counts() == ({}, {})
     assert linear.project(layer, mx.zeros((1, 2, 512), mx.bfloat16)) is None
-    assert counts() == ({}, {"not CUDA": 1})
+    assert counts() == ({}, {"no GPU": 1})
 
 
-def run_pretending_cuda(monkeypatch, model, names):
-    """The verify blocks with ``names`` applied (their counters reset) and the kernel forced on, CUDA
+def test_without_mlx_metal_headers_metal_leaves_it_to_stock(monkeypatch, applied):
+    """The Metal twin calls the installed MLX's own qdot and load_vector: where its headers are missing the
+    call goes to stock, counted, even with the kernel forced on."""
+    from glm53_patches.kernels import mlx_metal
+
+    assert kernel.metal_header() is not None and "inline U qdot(" in kernel.metal_header()
+    monkeypatch.setattr(mlx_metal, "HEADERS", mlx_metal.HEADERS / "missing")
+    monkeypatch.setattr(linear, "gpu_backend", lambda: "metal")
+    kernel.metal_header.cache_clear()
+    try:
+        layer = quantized(256, 512)
+        layer.eval()
+        with linear.switch.forcing(True):
+            assert linear.project(layer, mx.zeros((1, 3, 512), mx.bfloat16)) is None
+        assert counts() == ({}, {"no MLX Metal headers": 1})
+    finally:
+        kernel.metal_header.cache_clear()
+
+
+def run_pretending(monkeypatch, model, names, backend="cuda"):
+    """The verify blocks with ``names`` applied (their counters reset) and the kernel forced on, ``backend``
     pretended for the wrapper; the "kernel" records what it is handed and returns stock's own singleton
     gather (``singleton_quantized_linear``'s ``gather_qmm``) on it. Returns the outputs and the record."""
     from glm53_patches import registry
 
     seen = []
 
-    def recorder(x, w, scales, biases, bits, group_size):
-        seen.append((x.shape, w.shape, bits, group_size))
+    def recorder(x, w, scales, biases, bits, group_size, backend):
+        seen.append((x.shape, w.shape, backend, bits, group_size))
         indices = mx.zeros((1, x.shape[0], 1), dtype=mx.int32)
         out = mx.gather_qmm(x[None, :, None, None], w[None], scales[None], biases[None], rhs_indices=indices,
                             transpose=True, group_size=group_size, bits=bits, sorted_indices=False)
         return out.reshape(x.shape[0], -1)
 
-    monkeypatch.setattr(linear, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(linear, "gpu_backend", lambda: backend)
     monkeypatch.setattr(kernel, "block_qmv", recorder)
     for name in names:
         registry.available()[name].stats.reset()
@@ -161,15 +185,18 @@ def run_pretending_cuda(monkeypatch, model, names):
         glm53_patches.disable()
 
 
-def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stock_outputs):
-    actual, seen = run_pretending_cuda(monkeypatch, model, [NAME])
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stock_outputs, backend):
+    actual, seen = run_pretending(monkeypatch, model, [NAME], backend)
     assert_bitwise(stock_outputs, actual, "verify blocks, the kernel's calls answered by stock's singleton gather")
     assert seen and {shape[0] for shape, *_ in seen} == set(range(2, 8)), "blocks of 2 to 7 positions reach it"
-    assert all(shape[1] == 512 for shape, *_ in seen) and {(b, g) for *_, b, g in seen} == {(4, 64)}
+    assert all(shape[1] == 512 for shape, *_ in seen) and {tuple(rest) for _, _, *rest in seen} == {(backend, 4, 64)}
     hits, fallbacks = counts()
     assert hits["kernel"] == len(seen)
     assert fallbacks["positions"] > 0  # the 8-position block: stock's gather takes its GEMM there
-    assert set(fallbacks) <= {"positions", "width", "module type", "shape"}
+    # on Metal also "rows": the lm_head's 500 (stock's plain gather_qmv there)
+    allowed = {"positions", "width", "module type", "shape"} | ({"rows"} if backend == "metal" else set())
+    assert set(fallbacks) <= allowed
 
 
 def test_layer_decode_traces_it_into_its_blocks(monkeypatch, model, stock_outputs):
@@ -177,7 +204,7 @@ def test_layer_decode_traces_it_into_its_blocks(monkeypatch, model, stock_output
     2 to 7 positions runs as layer_decode's compiled layers with the wrapper traced inside them."""
     from glm53_patches.patches import layer_decode
 
-    actual, seen = run_pretending_cuda(monkeypatch, model, [NAME, "layer_decode"])
+    actual, seen = run_pretending(monkeypatch, model, [NAME, "layer_decode"])
     assert_bitwise(stock_outputs, actual, "verify blocks, layer_decode with block_qmv traced in")
     layers = layer_decode.PATCH.stats.snapshot()
     assert "block_qmv patches linear" not in layers["fallbacks"]

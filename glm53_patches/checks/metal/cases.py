@@ -140,7 +140,24 @@ def upstream_hyper_connection():
                (_normal((batch, 1, 24), 44), _normal((3,), 45), _normal((24,), 46)))
 
 
+def block_qmv():
+    from glm53_patches.patches.block_qmv.kernel import block_qmv as project
+
+    # verify on Metal: the real projections (8-bit KDA, 6-bit rest; K 1,536 to 16,384) at 4 positions and the
+    # widest at 2, 3 and 7; every bit width; float16; groups 32 and 128.
+    shapes = [(8, 4096, 8, 64, 4, mx.bfloat16), (16, 1536, 6, 64, 4, mx.bfloat16), (8, 16384, 6, 64, 7, mx.bfloat16),
+              (8, 4096, 8, 64, 2, mx.bfloat16), (8, 4096, 8, 64, 3, mx.bfloat16), (8, 4096, 4, 64, 4, mx.float16),
+              (8, 4096, 8, 32, 4, mx.bfloat16), (8, 4096, 4, 128, 4, mx.bfloat16),
+              *[(8, 512, bits, 64, 5, mx.bfloat16) for bits in (2, 3, 5)]]
+    for n, k, bits, group, positions, dtype in shapes:
+        w, scales, biases = mx.quantize(_normal((n, k), 20), group_size=group, bits=bits)
+        yield (f"{dtype} {bits}-bit group {group}, {positions} positions, K {k}",
+               lambda x, w, s, b, bits=bits, group=group: project(x, w, s, b, bits, group, backend="metal"),
+               (_normal((positions, k), 21, dtype), w, scales.astype(dtype), biases.astype(dtype)))
+
+
 KERNELS = {
+    "block_qmv": block_qmv,
     "router_select": router_select,
     "expert_combine": expert_combine,
     "fused_kda_kernel": fused_kda_kernel,

@@ -227,6 +227,7 @@ template <class V, class = decltype(V{}.x)> V fma(V a, V b, V c) {
   for (int i = 0; i < int(sizeof(V) / sizeof(a[0])); ++i) a[i] = fma(float(a[i]), float(b[i]), float(c[i])); return a; }
 template <class T> T min(T a, T b) { return b < a ? b : a; }
 template <class T> T max(T a, T b) { return a < b ? b : a; }
+template <class T> T select(T a, T b, bool c) { return c ? b : a; }  // MSL's scalar select (quantized.h's 1-bit qdot)
 inline bool isnan(float x) { return x != x; }
 inline bool isnan(bfloat x) { return isnan(float(x)); }
 

@@ -15,9 +15,24 @@ loads one pass of weights, scales and biases for its ``RPW`` output rows once,
 then applies it to each of the ``POSITIONS`` input rows, each with its own
 sums. Each (position, row) still walks its columns pass by pass in ascending
 order into the same accumulators, so its bits are qmv's.
+
+The Metal twin mirrors what MLX's Metal backend runs for the same call:
+``GatherQMM::eval_gpu`` takes ``gather_qmv`` (M = 1 is under every
+``vector_limit``, the indices are not sorted), the fast variant where N is a
+multiple of 8 and K of 512: ``affine_gather_qmv_fast``, which offsets to its
+position and runs ``qmv_fast_impl`` (``kernels/quantized.h``): threadgroups
+of 2 SIMD-groups of 4 output rows, each thread summing ``qdot`` of its
+values block by block, then ``simd_sum``. The twin has the same threadgroups
+and calls the installed MLX's own ``load_vector`` and ``qdot`` (read from its
+headers, ``kernels.mlx_metal``); per block it loads each position's inputs,
+then for each row its scale and bias once and ``qdot`` for every position.
+Each (position, row) gets the same calls in the same order as stock's.
 """
 
+import functools
+
 from glm53_patches.kernels.build import gpu_kernel
+from glm53_patches.kernels.mlx_metal import declaration
 from glm53_patches.patches.exact_qmv.kernel import HEADER
 
 WARPS = 4  # warps per block (a launch shape: changes no bit)
@@ -92,13 +107,97 @@ SOURCE = r"""
 BLOCK_QMV = dict(name="glm53_block_qmv", inputs=["x", "w", "scales", "biases"], outputs=["out"],
                  cuda=(SOURCE, HEADER))
 
+# Metal: qmv_fast_impl's body (partial_rows false: N is a multiple of 8; K of 512, so no tail block) with
+# the positions inside. Template constants: T, BITS, GROUP, K, N, POSITIONS.
+METAL_SOURCE = r"""
+  typedef float U;
+  constexpr int packs_per_thread = BITS <= 2 ? 1 : 2;
+  constexpr int num_simdgroups = 2;
+  constexpr int results_per_simdgroup = 4;
+  constexpr int pack_factor = get_pack_factor<BITS, 32>();
+  constexpr int bytes_per_pack = get_bytes_per_pack<BITS, 32>();
+  constexpr int values_per_thread = pack_factor * packs_per_thread;
+  constexpr int block_size = values_per_thread * SIMD_SIZE;
+  constexpr int scale_step_per_thread = GROUP / values_per_thread;
+  const uint simd_gid = simdgroup_index_in_threadgroup;
+  const uint simd_lid = thread_index_in_simdgroup;
 
-def block_qmv(x, w, scales, biases, bits, group_size, *, warps=None, rpw=None):
+  const device uint8_t* ws = (const device uint8_t*)w;
+  thread U x_thread[POSITIONS][values_per_thread];
+  thread U sum[POSITIONS];
+  thread U result[POSITIONS][results_per_simdgroup] = {{0}};
+
+  const int in_vec_size_w = K * bytes_per_pack / pack_factor;
+  const int in_vec_size_g = K / GROUP;
+  const int out_row = threadgroup_position_in_grid.y * (num_simdgroups * results_per_simdgroup) +
+      simd_gid * results_per_simdgroup;
+
+  ws += out_row * in_vec_size_w + simd_lid * packs_per_thread * bytes_per_pack;
+  const device T* sc = scales + out_row * in_vec_size_g + simd_lid / scale_step_per_thread;
+  const device T* bi = biases + out_row * in_vec_size_g + simd_lid / scale_step_per_thread;
+  const device T* xs = x + simd_lid * values_per_thread;
+
+  for (int k = 0; k < K; k += block_size) {
+    for (int p = 0; p < POSITIONS; p++) {
+      sum[p] = load_vector<T, U, values_per_thread, BITS>(xs + p * K, x_thread[p]);
+    }
+    for (int row = 0; row < results_per_simdgroup; row++) {
+      auto wl = (const device uint8_t*)(ws + row * in_vec_size_w);
+      U s = sc[row * in_vec_size_g];
+      U b = bi[row * in_vec_size_g];
+      for (int p = 0; p < POSITIONS; p++) {
+        result[p][row] += qdot<U, values_per_thread, BITS>(wl, x_thread[p], s, b, sum[p]);
+      }
+    }
+    ws += block_size * bytes_per_pack / pack_factor;
+    sc += block_size / GROUP;
+    bi += block_size / GROUP;
+    xs += block_size;
+  }
+
+  for (int p = 0; p < POSITIONS; p++) {
+    for (int row = 0; row < results_per_simdgroup; row++) {
+      result[p][row] = simd_sum(result[p][row]);
+      if (simd_lid == 0) {
+        out[p * N + out_row + row] = static_cast<T>(result[p][row]);
+      }
+    }
+  }
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def metal_header():
+    """The installed MLX's own quantized.h helpers the Metal twin calls; None where this mlx ships no
+    Metal headers (the wrapper then leaves the call to stock)."""
+    q = "quantized.h"
+    try:
+        return ("#define MLX_MTL_CONST static constant constexpr const\nMLX_MTL_CONST int SIMD_SIZE = 32;\n"
+                + declaration(q, "inline constexpr short get_pack_factor()")
+                + declaration(q, "inline constexpr short get_bytes_per_pack()")
+                + declaration(q, "inline U load_vector(const device T* x, thread U* x_thread)")
+                + declaration(q, "inline U qdot("))
+    except (OSError, ValueError):  # no such file, or no such function in it
+        return None
+
+
+def block_qmv(x, w, scales, biases, bits, group_size, *, backend="cuda", warps=None, rpw=None):
     """Each row of ``x`` (``[P, K]``, P positions) times the quantized ``w``, ``[P, N]``: per row what
-    MLX's CUDA qmv / gather_qmv computes for it alone. ``warps`` and ``rpw`` override the launch shape."""
-    warps, rpw = warps or WARPS, rpw or RPW
+    MLX's qmv / gather_qmv on ``backend`` computes for it alone. ``warps`` and ``rpw`` override the CUDA
+    launch shape."""
     positions, K = x.shape
     N = w.shape[0]
+    if backend == "metal":
+        return gpu_kernel(backend="metal", metal=(METAL_SOURCE, metal_header()), **BLOCK_QMV)(
+            inputs=[x, w, scales, biases],
+            template=[("T", x.dtype), ("BITS", bits), ("GROUP", group_size), ("K", K), ("N", N),
+                      ("POSITIONS", positions)],
+            grid=(32, 2 * (N // 8), 1),  # gather_qmv's threadgroups of (32, 2): 8 rows each
+            threadgroup=(32, 2, 1),
+            output_shapes=[(positions, N)],
+            output_dtypes=[x.dtype],
+        )[0]
+    warps, rpw = warps or WARPS, rpw or RPW
     blocks = -(-N // (warps * rpw))
     return gpu_kernel(backend="cuda", **BLOCK_QMV)(
         inputs=[x, w, scales, biases],

@@ -8,9 +8,10 @@ hands blocks of up to 256 positions to ``linear``). For 2 to 8 positions
 and a width that is a multiple of 512 takes ``singleton_quantized_linear``:
 one ``gather_qmm`` over the positions, one row each, plus the module's bias.
 Below 8 positions MLX runs that gather as its ``gather_qmv`` kernel, qmv's
-arithmetic per position; ``kernel.block_qmv`` gives the same bits and reads
-the weights once. Every other call (one token, prefill, 8 positions, a batch,
-other modules, dtypes or widths, no CUDA, not verified here) goes to the
+arithmetic per position (on Metal its fast variant, where the rows are a
+multiple of 8); ``kernel.block_qmv`` gives the same bits and reads the
+weights once. Every other call (one token, prefill, 8 positions, a batch,
+other modules, dtypes or widths, no GPU, not verified here) goes to the
 function that was installed before, counted by reason where it was a block.
 """
 
@@ -28,13 +29,13 @@ from . import PATCH
 from . import kernel
 
 stats = PATCH.stats
-switch = KernelSwitch(PATCH.name, backends=("cuda",))
+switch = KernelSwitch(PATCH.name, backends=("cuda", "metal"))
 MAX_POSITIONS = 7  # gather_qmm takes gather_qmv below 8 (M * batch < 8); its tiled GEMM at 8
 
 
-def unsupported(module, x) -> Optional[str]:
+def unsupported(module, x, backend="cuda") -> Optional[str]:
     """Why stock's ``linear(module, x)`` for a block ``x`` of ``[B, L, K]`` is not a call the kernel
-    reproduces, or None."""
+    reproduces on ``backend``, or None."""
     if type(module) is not nn.QuantizedLinear:
         return "module type"
     if x.shape[0] != 1:
@@ -50,6 +51,8 @@ def unsupported(module, x) -> Optional[str]:
         return "shape"
     if K % 512:
         return "width"  # native_batch_linear's singleton path wants K a multiple of 512
+    if backend == "metal" and module["weight"].shape[0] % 8:
+        return "rows"  # Metal's gather_qmv_fast wants them a multiple of 8; its plain gather_qmv has another order
     return None
 
 
@@ -58,19 +61,23 @@ def project(module, x):
     installed function must run."""
     if x.ndim != 3 or not 1 < x.shape[1] <= DECODE_BLOCK_SIZE or getattr(module, "training", False):
         return None  # one token, prefill, training: not counted, they are not this patch's calls
-    if gpu_backend() != "cuda":
-        stats.fallback("not CUDA")
+    backend = gpu_backend()
+    if backend is None:
+        stats.fallback("no GPU")
         return None
-    if not switch.wanted("cuda"):
+    if not switch.wanted(backend):
         stats.fallback("kernel off (not verified here)")
         return None
-    reason = unsupported(module, x)
+    if backend == "metal" and kernel.metal_header() is None:
+        stats.fallback("no MLX Metal headers")  # the twin calls MLX's own qdot, read from them
+        return None
+    reason = unsupported(module, x, backend)
     if reason is not None:
         stats.fallback(reason)
         return None
     stats.hit("kernel")
     out = kernel.block_qmv(x[0], module["weight"], module["scales"], module["biases"], module.bits,
-                           module.group_size)[None]
+                           module.group_size, backend=backend)[None]
     if "bias" in module:
         out = out + module["bias"]
     return out

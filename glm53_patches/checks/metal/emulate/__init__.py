@@ -14,7 +14,7 @@ parameters MLX's dispatch gives it (cited where used). A stock path that is
 a chain of MLX ops runs each op's Metal kernel (or functor) in order.
 
 One module per twin: ``expert_combine``, ``router_select``,
-``fused_kda_kernel``, ``hc_decode``, ``dsa_decode``; each has ``run(...)``
+``fused_kda_kernel``, ``hc_decode``, ``dsa_decode``, ``block_qmv``; each has ``run(...)``
 returning ``{output: (stock bits, twin bits)}``.
 
 What this cannot show (a Mac can): the Metal compiler's fma contraction (g++
@@ -38,9 +38,10 @@ import numpy as np
 
 import mlx.core as mx
 
+from glm53_patches.kernels.mlx_metal import HEADERS, declaration_in
+
 from .. import typecheck
 
-HEADERS = pathlib.Path(mx.__file__).parent / "include" / "mlx" / "backend" / "metal" / "kernels"
 SNAPSHOT = pathlib.Path(__file__).with_name("mlx_kernels.metal")
 
 
@@ -51,33 +52,12 @@ def excerpt(path, start):
     (and a ``;`` right after it); a ``template <...>`` line just above is kept.
     """
     text = (HEADERS / path).read_text()
-    return f"// MLX 0.32.4, mlx/backend/metal/kernels/{path} (installed headers), verbatim\n" + _declaration(text, start)
+    return f"// MLX 0.32.4, mlx/backend/metal/kernels/{path} (installed headers), verbatim\n" + declaration_in(text, start)
 
 
 def snapshot(start):
     """The declaration of ``mlx_kernels.metal`` (MLX .metal kernels the wheel does not ship) that begins at ``start``."""
-    return f"// {SNAPSHOT.name} (ml-explore/mlx 846d176), verbatim\n" + _declaration(SNAPSHOT.read_text(), start)
-
-
-def _declaration(text, start):
-    at = text.index(start)
-    above = text.rfind("\n", 0, at - 1)
-    line_above = text[above + 1:at]
-    if line_above.startswith("template"):
-        at = above + 1
-    else:  # a multi-line template header
-        head = text.rfind("template <", 0, at)
-        if head != -1 and text[head:at].count(";") == 0 and text[head:at].count("{") == 0:
-            at = head
-    depth, i = 0, text.index("{", text.index(start))
-    while True:
-        depth += text[i] == "{"
-        depth -= text[i] == "}"
-        if depth == 0:
-            break
-        i += 1
-    end = i + 1 + (text[i + 1:i + 2] == ";")
-    return text[at:end] + "\n"
+    return f"// {SNAPSHOT.name} (ml-explore/mlx 846d176), verbatim\n" + declaration_in(SNAPSHOT.read_text(), start)
 
 
 def header(path):

@@ -1,6 +1,6 @@
 """``glm53-patches verify block_qmv``: the kernel against stock's block projection here.
 
-On CUDA:
+On CUDA and Metal:
 
 1. the op: mlx-vlm's own ``native_batch_linear`` (for these calls
    ``singleton_quantized_linear``: MLX's gather_qmv) against ``kernel.block_qmv``
@@ -8,8 +8,8 @@ On CUDA:
    - each projection of a GLM-5.3-Flash layer whose width the singleton path
      takes (a multiple of 512), at its real shape and bits, for a 4-position
      block, and the widest at 2, 3 and 7 positions;
-   - 4-bit, float16, groups 32 and 128, 2-, 3- and 5-bit, and other launch
-     shapes (warps per block, rows per warp), which must change nothing;
+   - 4-bit, float16, groups 32 and 128, 2-, 3- and 5-bit, and on CUDA other
+     launch shapes (warps per block, rows per warp), which must change nothing;
 2. the tiny random-weight model, bf16 at 8, 6 and 4 bits (on the CPU one
    4-bit model), with a hidden size of 512 so that the singleton path, and the
    kernel, take its projections of the hidden state: greedy decode and
@@ -63,7 +63,7 @@ def case_module(out_dims, in_dims, bits, group, dtype, positions, seed):
     return module, x
 
 
-def check_op(tally):
+def check_op(tally, backend):
     from mlx_vlm.models.linear import native_batch_linear
 
     from .. import kernel
@@ -71,15 +71,17 @@ def check_op(tally):
 
     cases = [(label, n, k, bits, 64, mx.bfloat16, 4, {}) for label, n, k, bits in REAL if k % 512 == 0] + OTHER
     for seed, (label, n, k, bits, group, dtype, positions, launch) in enumerate(cases):
+        if launch and backend != "cuda":
+            continue  # CUDA's launch shapes
         name = f"{label} {n}x{k} {bits}-bit, {positions} positions"
         try:
             module, x = case_module(n, k, bits, group, dtype, positions, seed)
-            reason = unsupported(module, x)
+            reason = unsupported(module, x, backend)
             if reason is not None:
                 raise ValueError(f"the patch would not take this call ({reason})")
             expected, again = native_batch_linear(module, x), native_batch_linear(module, x)
             actual = kernel.block_qmv(x[0], module["weight"], module["scales"], module["biases"], bits, group,
-                                      **launch)[None]
+                                      backend=backend, **launch)[None]
             mx.eval(expected, again, actual)
         except Exception as exc:  # a kernel that does not build or launch is not verified
             tally.failed(name, exc)
@@ -117,12 +119,12 @@ def verify():
     here = backend()
     tally = Tally()
     before = PATCH.stats.snapshot()["hits"].get("kernel", 0)
-    if here == "cuda":
-        check_op(tally)
+    if here in ("cuda", "metal"):
+        check_op(tally, here)
     check_tiny_models(tally, here in ("cuda", "metal"))
     ran = PATCH.stats.snapshot()["hits"].get("kernel", 0) - before
-    if here == "cuda" and not ran:  # equal outputs prove nothing if stock ran both times
+    if here in ("cuda", "metal") and not ran:  # equal outputs prove nothing if stock ran both times
         tally.mismatches.append("the kernel never ran in the model check")
-    if here != "cuda":
-        tally.notes.append(f"no CUDA here ({here}): the patch steps aside (stock code)")
+    if here not in ("cuda", "metal"):
+        tally.notes.append(f"no GPU here ({here}): the patch steps aside (stock code)")
     return tally.result(time.perf_counter() - start)
