@@ -38,7 +38,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from glm53_patches.kernels.mlx_metal import HEADERS, declaration_in
+from glm53_patches.kernels.mlx_metal import HEADERS, declaration, declaration_in
 
 from .. import typecheck
 
@@ -46,13 +46,9 @@ SNAPSHOT = pathlib.Path(__file__).with_name("mlx_kernels.metal")
 
 
 def excerpt(path, start):
-    """From ``path`` (under the installed MLX kernels), the declaration that begins at the line ``start``, verbatim.
-
-    It runs to the brace that closes the first one opened after ``start``
-    (and a ``;`` right after it); a ``template <...>`` line just above is kept.
-    """
-    text = (HEADERS / path).read_text()
-    return f"// MLX 0.32.4, mlx/backend/metal/kernels/{path} (installed headers), verbatim\n" + declaration_in(text, start)
+    """From ``path`` (under the installed MLX kernels), the declaration that begins at the line ``start``, verbatim
+    (``kernels.mlx_metal.declaration``, as the twins read MLX's helpers), headed by a line naming its source."""
+    return f"// MLX 0.32.4, mlx/backend/metal/kernels/{path} (installed headers), verbatim\n" + declaration(path, start)
 
 
 def snapshot(start):
