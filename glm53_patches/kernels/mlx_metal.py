@@ -40,6 +40,14 @@ def declaration_in(text, start):
     return text[at:end] + "\n"
 
 
+def line(path, start):
+    """The line of the installed MLX Metal header ``path`` that begins with ``start`` (a constant or a
+    macro its helpers use), verbatim; OSError where this mlx ships no such header."""
+    text = (HEADERS / path).read_text()
+    at = text.index("\n" + start) + 1
+    return text[at:text.index("\n", at) + 1]
+
+
 def declaration(path, start):
     """The declaration of the installed MLX Metal header ``path`` that begins at ``start``; OSError where
     this mlx ships no such header."""

@@ -1,4 +1,4 @@
-"""A CUDA quantized matvec for a short block of positions: each weight load serves every position.
+"""A quantized matvec (CUDA, and its Metal twin) for a short block of positions: each weight load serves every position.
 
 In a speculative verify block stock computes each position's projection as a
 one-token decode call would (mlx-vlm's ``singleton_quantized_linear``: one
@@ -32,7 +32,7 @@ Each (position, row) gets the same calls in the same order as stock's.
 import functools
 
 from glm53_patches.kernels.build import gpu_kernel
-from glm53_patches.kernels.mlx_metal import declaration
+from glm53_patches.kernels.mlx_metal import declaration, line
 from glm53_patches.patches.exact_qmv.kernel import HEADER
 
 WARPS = 4  # warps per block (a launch shape: changes no bit)
@@ -172,7 +172,7 @@ def metal_header():
     Metal headers (the wrapper then leaves the call to stock)."""
     q = "quantized.h"
     try:
-        return ("#define MLX_MTL_CONST static constant constexpr const\nMLX_MTL_CONST int SIMD_SIZE = 32;\n"
+        return (line(q, "#define MLX_MTL_CONST") + line(q, "MLX_MTL_CONST int SIMD_SIZE")
                 + declaration(q, "inline constexpr short get_pack_factor()")
                 + declaration(q, "inline constexpr short get_bytes_per_pack()")
                 + declaration(q, "inline U load_vector(const device T* x, thread U* x_thread)")

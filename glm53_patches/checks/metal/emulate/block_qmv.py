@@ -12,6 +12,8 @@ row of x, row p of y, the one weight) and runs ``qmv_fast_impl``, which is
 what runs here, per position, with those offsets.
 """
 
+from glm53_patches.kernels.mlx_metal import line
+
 from . import PRELUDE, bits_dtype, excerpt, execute, generated, host_type, launch, pairs
 
 Q = "quantized.h"
@@ -19,7 +21,7 @@ Q = "quantized.h"
 
 def stock_text():
     """quantized.h's constants and the functions qmv_fast_impl calls, and qmv_fast_impl itself, verbatim."""
-    return ("#define MLX_MTL_CONST static constant constexpr const\nMLX_MTL_CONST int SIMD_SIZE = 32;\n"
+    return (line(Q, "#define MLX_MTL_CONST") + line(Q, "MLX_MTL_CONST int SIMD_SIZE")
             + excerpt(Q, "inline constexpr short get_pack_factor()")
             + excerpt(Q, "inline constexpr short get_bytes_per_pack()")
             + excerpt(Q, "inline U load_vector(const device T* x, thread U* x_thread)") + excerpt(Q, "inline U qdot(")

@@ -119,12 +119,13 @@ def verify():
     here = backend()
     tally = Tally()
     before = PATCH.stats.snapshot()["hits"].get("kernel", 0)
-    if here in ("cuda", "metal"):
+    gpu = here in ("cuda", "metal")
+    if gpu:
         check_op(tally, here)
-    check_tiny_models(tally, here in ("cuda", "metal"))
+    check_tiny_models(tally, gpu)
     ran = PATCH.stats.snapshot()["hits"].get("kernel", 0) - before
-    if here in ("cuda", "metal") and not ran:  # equal outputs prove nothing if stock ran both times
+    if gpu and not ran:  # equal outputs prove nothing if stock ran both times
         tally.mismatches.append("the kernel never ran in the model check")
-    if here not in ("cuda", "metal"):
+    if not gpu:
         tally.notes.append(f"no GPU here ({here}): the patch steps aside (stock code)")
     return tally.result(time.perf_counter() - start)
