@@ -7,7 +7,7 @@
 # against stock bit for bit; then, if time is left, the micro rows s34 did not reach (dense MLP, lm_head).
 # One foreground call on a cold machine: the caller tars /root/res to $OUT.
 # Part v first: block_qmv's CUDA record, owed again since its Metal twin changed the patch's Python
-# (code digest 542bc8682814; the CUDA kernel text is pinned unchanged). It needs its own call: in
+# (code digest a15995c7ce76 after s35's cleanup; the CUDA kernel text is pinned unchanged). It needs its own call: in
 # parallel with other verifies it did not finish in 530 s (s34), alone it took 147 s warm.
 # Usage: h200-s34.sh PART BUDGET   (PART v: verify block_qmv; b: the blocks, then the micro rows)
 PART=${1:-b}
