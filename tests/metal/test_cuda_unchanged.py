@@ -31,7 +31,7 @@ VERIFIED_S28 = {
 }
 
 
-# block_qmv's kernel as it passed `verify block_qmv` on an H100 (s34, 53 cases, code digest 119594fb9efd;
+# block_qmv's kernel as it passed `verify block_qmv` on an H100 (s34, 53 cases, code digest 119594fb9efd; again in s35 after the Metal twin, code digest a15995c7ce76;
 # sm_90 like the H200), recorded from that code the same way. A change here needs that CUDA verify again.
 VERIFIED_S34 = {
     "block_qmv": "fb3bc7ce590cb9ff3bee97cd28f3bcf2e90fb3f2bc6ab9633b07d85ee62a9b29",
