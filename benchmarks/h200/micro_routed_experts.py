@@ -9,11 +9,14 @@ L2):
 
 - ``1 token``: a decode step's call, ``[1, 1, H]``: one ``gather_qmm`` of 8
   routes per projection;
-- ``block of L``: a verify block's call, ``[1, L, H]``: stock's block path
-  (on CUDA, each position as its own one-token call: ``tokenwise``);
+- ``block of L``: a verify block's call, ``[1, L, H]``: stock's block path,
+  which (for these quantized experts, off Metal) is one ``gather_qmm`` per
+  projection over the block's L x 8 routes (mlx-vlm's
+  ``exact_quantized_switch_linear`` / ``exact_quantized_selected_linear``;
+  this script's docstring said ``tokenwise`` until s35's run showed equal
+  times, and the code agrees);
 - ``L tokens, one call``: the same L x 8 routes as one ``[L, 1, H]`` call
-  (one ``gather_qmm`` of 8L routes; not what stock runs in a block, and not
-  bit-identical to it: what sharing a call would cost).
+  through the one-token path: the same call form, as a control.
 
 Per arm: median ms per call, GB/s of the routes' weights (each route's
 expert counted once per route), and ms per 45-layer step (times the MoE
