@@ -15,6 +15,7 @@ checkout's.
 import contextlib
 import hashlib
 import json
+import math
 
 import mlx.core as mx
 
@@ -170,6 +171,19 @@ def _block_qmv():
         kernel.block_qmv(mx.zeros((positions, k), dtype), w, scales, scales, bits, group, **launch)
 
 
+def _routed_experts():
+    from glm53_patches.patches.routed_experts import kernel
+    from glm53_patches.patches.routed_experts.checks.verify import CALLS, EXPERTS, SETTINGS, SHAPES
+
+    for _, n, k in SHAPES:
+        w, scales = mx.zeros((EXPERTS, n, k // 8), mx.uint32), mx.zeros((EXPERTS, n, k // 64), mx.bfloat16)
+        for _, x_batch, routes_shape in CALLS:
+            x, routes = mx.zeros((math.prod(x_batch), k), mx.bfloat16), mx.zeros((math.prod(routes_shape),), mx.uint32)
+            kernel.expert_mma(x, w, scales, scales, routes)
+        for settings in SETTINGS:
+            kernel.expert_mma(mx.zeros((7, k), mx.bfloat16), w, scales, scales, mx.zeros((56,), mx.uint32), **settings)
+
+
 PATCHES = {
     "router_select": _router,
     "expert_combine": _combine,
@@ -180,6 +194,7 @@ PATCHES = {
     "kda_prefill_kernel": _prefill,
     "exact_qmv": _qmv,
     "block_qmv": _block_qmv,
+    "routed_experts": _routed_experts,
 }
 
 

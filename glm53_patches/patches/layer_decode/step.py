@@ -68,6 +68,7 @@ COMPOSES = {
     "dsa_decode": "eager indexer, row gather",
     "exact_qmv": "traced: the decode projections' matvec",
     "block_qmv": "traced: a verify block's projections, each weight read once",
+    "routed_experts": "traced in MoE layers: the routed experts' matvec",
     "indexer_fp32": "eager indexer",
 }
 # Model code a decode step never calls: a patch on it alone (vault_cache's load-time

@@ -1,0 +1,146 @@
+"""``glm53-patches verify routed_experts``: the kernel against stock's ``gather_qmm`` here.
+
+On CUDA:
+
+1. the op: stock's ``QuantizedSwitchLinear.__call__`` (one ``gather_qmm``)
+   against the patch's replacement on the same random 4-bit experts (64 of
+   them), stock run twice: the routed experts' gate/up (2048 x 4096) and
+   down (4096 x 2048) projections as a decode step calls them (8 routes of
+   one input; 8 routes of their own inputs), at batch 2 (16 routes) and in
+   verify blocks of 2 and 7 positions (16 and 56 routes, each position's
+   input shared by its 8); then the kernel's other settings, which must change
+   nothing: 2 and 8 warps, 2 and 4 tiles of rows per warp, the bf16-pair
+   dequantization, and other routes' inputs in the MMA's other rows;
+2. the tiny random-weight model, 4-bit, bf16, with hidden size 512, experts
+   128 wide and top-8 of 16, so that its routed experts take ``qmm_sm80``
+   and the kernel: greedy decode and speculative verify blocks at batch 1 and
+   2, every logit and the caches after each rollback, the kernel forced on.
+   It fails if the kernel never ran.
+
+Every op case runs stock twice and is inconclusive where stock differs from
+itself. On the CPU there is no kernel: the patch steps aside, and only check 2
+runs (stock both times).
+"""
+
+import contextlib
+import time
+
+import mlx.core as mx
+from mlx_vlm.models.switch_layers import QuantizedSwitchLinear
+
+from glm53_patches import registry, tiny_model
+from glm53_patches.backend import current as backend
+from glm53_patches.exactness import Tally, abs_diff, compare_tiny_models, same_bits
+
+TARGET = "mlx_vlm.models.switch_layers:QuantizedSwitchLinear.__call__"
+EXPERTS = 64
+SHAPES = [("gate/up", 2048, 4096), ("down", 4096, 2048)]
+# (label, input batch shape, route indices shape): how a step or block calls a projection
+CALLS = [
+    ("decode, one input", (1, 1, 1), (1, 1, 8)),
+    ("decode, an input per route", (1, 1, 8), (1, 1, 8)),
+    ("batch 2", (2, 1, 1), (2, 1, 8)),
+    ("verify block of 2", (1, 2, 1), (1, 2, 8)),
+    ("verify block of 7", (1, 7, 1), (1, 7, 8)),
+]
+SETTINGS = [dict(warps=2), dict(warps=8), dict(tiles=2), dict(tiles=4, warps=2), dict(magic=1),
+            dict(magic=1, tiles=2), dict(fill=1)]
+
+
+def case(n, k, x_batch, routes_shape, seed):
+    """A QuantizedSwitchLinear of EXPERTS random experts scaled like a layer's, an input ``x_batch + [1, k]``
+    and random routes."""
+    key_w, key_x, key_i = mx.random.split(mx.random.key(seed), 3)
+    module = QuantizedSwitchLinear(64, 128, 1, bias=False)  # then given the case's experts
+    weight = (mx.random.normal((EXPERTS, n, k), key=key_w) * k**-0.5).astype(mx.bfloat16)
+    module.weight, module.scales, module.biases = mx.quantize(weight, group_size=64, bits=4)
+    x = mx.random.normal((*x_batch, 1, k), key=key_x).astype(mx.bfloat16)
+    picks = mx.argsort(mx.random.uniform(shape=(*routes_shape[:-1], EXPERTS), key=key_i), axis=-1)
+    indices = picks[..., :routes_shape[-1]].astype(mx.uint32)  # distinct experts per position, as top-k picks
+    mx.eval(module.parameters(), x, indices)
+    return module, x, indices
+
+
+@contextlib.contextmanager
+def marked():
+    """As inside a glm5_next MoE block, the kernel forced on."""
+    from .. import experts
+
+    experts._inside.depth = getattr(experts._inside, "depth", 0) + 1
+    try:
+        with experts.switch.forcing(True):
+            yield
+    finally:
+        experts._inside.depth -= 1
+
+
+def check_op(tally):
+    from .. import experts, kernel
+
+    stock = registry.upstream(TARGET)
+    seed = 0
+    for label, n, k in SHAPES:
+        for call, x_batch, routes_shape in CALLS:
+            seed += 1
+            name = f"{label} {n}x{k}, {call}"
+            try:
+                module, x, indices = case(n, k, x_batch, routes_shape, seed)
+                reason = experts.unsupported(module, x, indices, False)
+                if reason is not None:
+                    raise ValueError(f"the patch would not take this call ({reason})")
+                expected, again = stock(module, x, indices), stock(module, x, indices)
+                with marked():
+                    actual = experts.project(module, x, indices, False)
+                mx.eval(expected, again, actual)
+            except Exception as exc:  # a kernel that does not build or launch is not verified
+                tally.failed(name, exc)
+                continue
+            if not same_bits(expected, again):
+                tally.inconclusive(name, "stock differs from itself")
+                continue
+            exact = same_bits(expected, actual)
+            tally.add(name, exact, 0.0 if exact else abs_diff(expected, actual))
+        # the kernel's other settings, on the block of 7's call: per route, one input per position
+        module, x, indices = case(n, k, (1, 7, 1), (1, 7, 8), seed + 100)
+        expected = stock(module, x, indices).reshape(-1, n)
+        for settings in SETTINGS:
+            name = f"{label} {n}x{k}, verify block of 7, {settings}"
+            try:
+                actual = kernel.expert_mma(x.reshape(-1, k), module["weight"], module["scales"], module["biases"],
+                                           indices.reshape(-1), **settings)
+                mx.eval(expected, actual)
+            except Exception as exc:
+                tally.failed(name, exc)
+                continue
+            exact = same_bits(expected, actual)
+            tally.add(name, exact, 0.0 if exact else abs_diff(expected, actual))
+
+
+def check_tiny_models(tally, on_gpu):
+    from .. import experts
+
+    # bf16 on a GPU (the kernel's dtype); elsewhere (stock both times) as the CPU runs it
+    variants = [("4-bit", 4, mx.bfloat16 if on_gpu else None)]
+    config = {**tiny_model.gpu_widths(), "hidden_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 8}
+    stock = registry.upstream(TARGET)
+    compare_tiny_models(tally, QuantizedSwitchLinear, "__call__", stock, experts.make_projection_call(stock), marked,
+                        steps=4, variants=variants, config=config, blocks=True)
+
+
+def verify():
+    from .. import PATCH
+
+    start = time.perf_counter()
+    here = backend()
+    tally = Tally()
+    cuda = here == "cuda"
+    if cuda:
+        check_op(tally)
+    before = PATCH.stats.snapshot()["hits"].get("kernel", 0)
+    check_tiny_models(tally, cuda)
+    ran = PATCH.stats.snapshot()["hits"].get("kernel", 0) - before
+    if cuda and not ran:  # equal outputs prove nothing if stock ran both times
+        tally.mismatches.append("the kernel never ran in the model check")
+    if not cuda:
+        tally.notes.append(f"no CUDA here ({here}): the patch steps aside (stock code)")
+    return tally.result(time.perf_counter() - start)

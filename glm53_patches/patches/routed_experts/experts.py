@@ -1,0 +1,120 @@
+"""The replacements for ``MoE.__call__`` and ``QuantizedSwitchLinear.__call__``: glm5_next's routed experts
+through ``kernel.expert_mma`` at decode and in verify blocks.
+
+mlx-vlm's ``SwitchGLU`` computes a MoE block's routed experts as three
+``QuantizedSwitchLinear`` calls, each one ``gather_qmm`` with one row per
+route: at decode (``[B, 1, H]``) over the B x 8 routes, in a verify block
+(through ``quantized_verifier.exact_quantized_switch_linear`` and
+``exact_quantized_selected_linear``) over the block's B x L x 8. Both classes
+are shared by every mlx-vlm model, so the ``MoE.__call__`` wrapper marks the
+calls made inside a ``Glm5NextMoE`` (a thread-local depth; it runs before
+expert_combine's and the prefill patches' wrappers of the same method, which
+call the ``SwitchGLU`` themselves), and the projection wrapper takes only
+those, where stock's ``gather_qmm`` runs ``qmm_sm80`` (``unsupported``) and
+the kernel is wanted on CUDA. Every other call goes to the installed
+function; a marked one is counted by reason.
+"""
+
+import functools
+import math
+import threading
+from typing import Optional
+
+import mlx.core as mx
+from mlx_vlm.models.glm5_next import language as _lang
+
+from glm53_patches.backend import gpu_backend
+from glm53_patches.kernel_switch import KernelSwitch
+
+from . import PATCH
+from . import kernel
+
+stats = PATCH.stats
+switch = KernelSwitch(PATCH.name, backends=("cuda",))
+MIN_ROUTES = 8  # below 8 routes (M x B < 8) MLX runs gather_qmv, qmv's arithmetic, not qmm_sm80's
+_inside = threading.local()  # .depth: Glm5NextMoE calls in progress on this thread
+
+
+def routes_per_row(x_batch, batch) -> Optional[int]:
+    """How many consecutive routes of ``batch`` (the call's broadcast batch shape) share one input row
+    of ``x_batch`` (the input's batch shape), or None where its rows do not map onto runs of routes."""
+    x_batch = (1,) * (len(batch) - len(x_batch)) + tuple(x_batch)
+    for kept in range(len(batch) + 1):  # the input follows the first `kept` dims, broadcasts the rest
+        if x_batch[:kept] == tuple(batch[:kept]) and all(d == 1 for d in x_batch[kept:]):
+            return math.prod(batch[kept:])
+    return None
+
+
+def unsupported(module, x, indices, sorted_indices) -> Optional[str]:
+    """Why stock's ``module(x, indices)`` is not a call the kernel reproduces, or None."""
+    if (module.mode != "affine" or module.bits != kernel.BITS or module.group_size != kernel.GROUP
+            or module.get("biases") is None):
+        return "quantization"
+    if "bias" in module:
+        return "bias"
+    if x.dtype != mx.bfloat16 or module["scales"].dtype != x.dtype or module["biases"].dtype != x.dtype:
+        return "dtype"
+    if sorted_indices:
+        return "sorted"  # a batch of 8 or more sequences: stock sorts the routes first
+    if x.ndim < 2 or x.shape[-2] != 1:
+        return "rows"  # prefill: several rows per route
+    weight = module["weight"]
+    if weight.ndim != 3 or weight.shape[-1] * 32 != x.shape[-1] * kernel.BITS:
+        return "shape"
+    if weight.shape[-2] % 128 or x.shape[-1] % 64:
+        return "shape"  # qmm_sm80's tile; stock runs another kernel
+    batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
+    if math.prod(batch) < MIN_ROUTES:
+        return "routes"
+    if routes_per_row(x.shape[:-2], batch) is None:
+        return "broadcast"
+    return None
+
+
+def project(module, x, indices, sorted_indices):
+    """``module(x, indices)`` through the kernel, or None (nothing built) where the installed function must run."""
+    if not getattr(_inside, "depth", 0):
+        return None  # not a glm5_next MoE's call: not this patch's to count
+    backend = gpu_backend()
+    if backend != "cuda":
+        stats.fallback("no CUDA")
+        return None
+    if not switch.wanted(backend):
+        stats.fallback("kernel off (not verified here)")
+        return None
+    reason = unsupported(module, x, indices, sorted_indices)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
+    stats.hit("kernel")
+    batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
+    out = kernel.expert_mma(x.reshape(-1, x.shape[-1]), module["weight"], module["scales"], module["biases"],
+                            indices.reshape(-1).astype(mx.uint32))
+    return out.reshape(*batch, 1, out.shape[-1])
+
+
+def make_projection_call(original):
+    @functools.wraps(original)
+    def __call__(self, x, indices, sorted_indices=False):
+        out = project(self, x, indices, sorted_indices)
+        return original(self, x, indices, sorted_indices=sorted_indices) if out is None else out
+
+    return __call__
+
+
+def make_moe_call(original):
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        if not isinstance(self, _lang.Glm5NextMoE):
+            return original(self, *args, **kwargs)
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _inside.depth -= 1
+
+    return __call__
+
+
+def clear():
+    switch.clear()

@@ -1,0 +1,212 @@
+"""routed_experts on the CPU: the wrapper steps aside, and routes exactly the expert projections stock runs
+as MLX's qmm_sm80 on CUDA.
+
+The patch is one CUDA kernel behind ``QuantizedSwitchLinear.__call__``, taken
+only inside a glm5_next MoE block (its ``MoE.__call__`` wrapper marks them).
+``glm53-patches verify routed_experts`` runs it against ``gather_qmm`` on a
+GPU; ``benchmarks/h200/probe_expert_mma.py`` found it bit-identical on an H100.
+There is no GPU here, so:
+
+* what the CPU user gets: stock, bit for bit, in decode and verify blocks,
+  the calls counted as "no CUDA"; revert of both targets, also stacked on
+  expert_combine; ``verify`` says it steps aside;
+* the coverage rules (``experts.unsupported``, ``routes_per_row``) on real
+  ``QuantizedSwitchLinear`` modules, and that another model's calls are not
+  taken or counted;
+* with CUDA pretended and the kernel replaced by a recorder that runs stock's
+  ``gather_qmm`` on what it is handed (each route's input row found as the
+  kernel finds it): decode and verify blocks stay bit for bit, alone, under
+  expert_combine (which calls the experts itself) and traced by layer_decode,
+  so the wrapper hands over each module's arrays, the routes in order and the
+  right input row per route, and shapes the result as stock does.
+
+The tiny model here has a hidden size of 512, experts 128 wide and top-8 of
+16, served in bf16: the shapes qmm_sm80 (and so the kernel) takes.
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_vlm.models.switch_layers import MoE, QuantizedSwitchLinear
+
+import glm53_patches
+from glm53_patches.patches import routed_experts
+from glm53_patches.patches.routed_experts import experts, kernel
+from glm53_patches.tiny_model import build_model, greedy_logits, speculative_outputs
+from test_exact_qmv import assert_bitwise  # the same bit-for-bit list comparison
+
+NAME = "routed_experts"
+PROMPT = mx.array([[(5 * i + 2) % 500 for i in range(24)]])
+
+
+def counts():
+    snapshot = routed_experts.PATCH.stats.snapshot()
+    return snapshot["hits"], snapshot["fallbacks"]
+
+
+def outputs(model):
+    """Greedy decode at batch 1 and 2, then the verify blocks: every logit and the caches after them."""
+    batch = mx.concatenate([PROMPT, PROMPT[:, ::-1]])
+    return greedy_logits(model, PROMPT, 4) + greedy_logits(model, batch, 3) + speculative_outputs(model, PROMPT)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from glm53_patches.exactness import _served_dtype
+    from glm53_patches.tiny_model import gpu_widths
+
+    config = {**gpu_widths(), "hidden_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 8}
+    return _served_dtype(build_model(seed=2, quantize_bits=4, **config), mx.bfloat16).language_model
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(model):
+    glm53_patches.disable()
+    return outputs(model)
+
+
+@pytest.fixture
+def applied():
+    glm53_patches.disable()
+    routed_experts.PATCH.stats.reset()
+    glm53_patches.enable([NAME], strict=True)
+    yield
+    glm53_patches.disable()
+
+
+def switch_linear(n=256, k=512, bits=4, group=64, dtype=mx.bfloat16, bias=False):
+    module = QuantizedSwitchLinear(k, n, 16, bias=bias, group_size=group, bits=bits)
+    module.set_dtype(dtype)
+    return module
+
+
+def test_on_the_cpu_stock_runs_bit_for_bit(model, stock_outputs, applied):
+    assert_bitwise(stock_outputs, outputs(model), "decode and verify blocks, routed_experts applied on the CPU")
+    hits, fallbacks = counts()
+    assert not hits
+    assert set(fallbacks) == {"no CUDA"} and fallbacks["no CUDA"] >= 3 * 7 * 5  # every MoE layer's projections
+
+
+def test_revert_restores_the_original_objects():
+    """Alone, and stacked on expert_combine (which wraps MoE.__call__ too)."""
+    glm53_patches.disable()
+    originals = (MoE.__dict__["__call__"], QuantizedSwitchLinear.__dict__["__call__"])
+    for names in ([NAME], ["expert_combine", NAME]):
+        glm53_patches.enable(names)
+        try:
+            assert QuantizedSwitchLinear.__dict__["__call__"] is not originals[1]
+            assert MoE.__dict__["__call__"] is not originals[0]
+        finally:
+            glm53_patches.disable()
+        assert (MoE.__dict__["__call__"], QuantizedSwitchLinear.__dict__["__call__"]) == originals
+
+
+def test_routes_per_row():
+    assert experts.routes_per_row((1, 1, 1), (1, 1, 8)) == 8  # decode: one input for the token's 8 routes
+    assert experts.routes_per_row((1, 1, 8), (1, 1, 8)) == 1  # the down projection: one input per route
+    assert experts.routes_per_row((1, 4, 1), (1, 4, 8)) == 8  # a verify block: one input per position
+    assert experts.routes_per_row((2, 1, 1), (2, 1, 8)) == 8
+    assert experts.routes_per_row((1, 1), (1, 4, 8)) == 32  # fewer dims: broadcast on the left
+    assert experts.routes_per_row((1, 4, 1), (2, 4, 8)) is None  # positions repeat for each batch row
+    assert experts.routes_per_row((1, 1, 8), (1, 4, 8)) is None  # the same 8 inputs for every position
+
+
+def test_coverage():
+    x, idx = mx.zeros((1, 1, 1, 1, 512), mx.bfloat16), mx.zeros((1, 1, 8), mx.uint32)
+    assert experts.unsupported(switch_linear(), x, idx, False) is None
+    block = mx.zeros((1, 7, 1, 1, 512), mx.bfloat16), mx.zeros((1, 7, 8), mx.uint32)
+    assert experts.unsupported(switch_linear(), *block, False) is None
+    down = mx.zeros((1, 1, 8, 1, 512), mx.bfloat16)
+    assert experts.unsupported(switch_linear(), down, idx, False) is None
+    assert experts.unsupported(switch_linear(), x, mx.zeros((1, 1, 7), mx.uint32), False) == "routes"  # gather_qmv
+    assert experts.unsupported(switch_linear(), x, idx, True) == "sorted"
+    assert experts.unsupported(switch_linear(), mx.zeros((1, 1, 1, 2, 512), mx.bfloat16), idx, False) == "rows"
+    assert experts.unsupported(switch_linear(), x.astype(mx.float16), idx, False) == "dtype"
+    assert experts.unsupported(switch_linear(dtype=mx.float32), x.astype(mx.float32), idx, False) == "dtype"
+    assert experts.unsupported(switch_linear(bits=8), x, idx, False) == "quantization"
+    assert experts.unsupported(switch_linear(group=128), x, idx, False) == "quantization"
+    assert experts.unsupported(switch_linear(bias=True), x, idx, False) == "bias"
+    assert experts.unsupported(switch_linear(n=192), x, idx, False) == "shape"  # qmm_sm80 wants N % 128 == 0
+    assert experts.unsupported(switch_linear(k=576), mx.zeros((1, 1, 1, 1, 576), mx.bfloat16), idx, False) is None
+    assert experts.unsupported(switch_linear(), mx.zeros((1, 1, 1, 1, 256), mx.bfloat16), idx, False) == "shape"
+    odd = mx.zeros((1, 4, 1, 1, 512), mx.bfloat16), mx.zeros((2, 4, 8), mx.uint32)
+    assert experts.unsupported(switch_linear(), *odd, False) == "broadcast"
+
+
+def test_only_glm5_next_moe_calls_are_taken(applied):
+    """A QuantizedSwitchLinear called outside a Glm5NextMoE (another model's) goes to stock uncounted."""
+    module, x, idx = switch_linear(), mx.zeros((1, 1, 1, 1, 512), mx.bfloat16), mx.zeros((1, 1, 8), mx.uint32)
+    assert experts.project(module, x, idx, False) is None
+    assert counts() == ({}, {})
+    experts._inside.depth = 1
+    try:
+        assert experts.project(module, x, idx, False) is None
+    finally:
+        experts._inside.depth = 0
+    assert counts() == ({}, {"no CUDA": 1})
+
+
+def run_pretending(monkeypatch, model, names):
+    """``outputs`` with ``names`` applied (their counters reset) and routed_experts' kernel forced on, CUDA
+    pretended; the "kernel" records what it is handed and returns stock's gather_qmm on it, each route's
+    input row found as the kernel finds it (``r // (R / X)``). Returns the outputs and the record."""
+    from glm53_patches import registry
+
+    seen = []
+
+    def recorder(x, w, scales, biases, idx):
+        routes, rows = idx.shape[0], x.shape[0]
+        seen.append((routes, rows, x.shape[1], w.shape[1]))
+        per_route = mx.repeat(x, routes // rows, axis=0)[:, None, :]
+        out = mx.gather_qmm(per_route, w, scales, biases, rhs_indices=idx, transpose=True, group_size=64, bits=4)
+        return out[:, 0, :]
+
+    monkeypatch.setattr(experts, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernel, "expert_mma", recorder)
+    for name in names:
+        registry.available()[name].stats.reset()
+    glm53_patches.enable(names, strict=True)
+    try:
+        with experts.switch.forcing(True):
+            return outputs(model), seen
+    finally:
+        glm53_patches.disable()
+
+
+def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stock_outputs):
+    actual, seen = run_pretending(monkeypatch, model, [NAME])
+    assert_bitwise(stock_outputs, actual, "decode and verify blocks, the kernel's calls answered by gather_qmm")
+    kinds = {(routes, rows) for routes, rows, *_ in seen}
+    assert {(8, 1), (8, 8), (16, 2), (16, 16)} <= kinds  # decode at batch 1 and 2: gate/up, then down
+    assert {(8 * n, n) for n in range(2, 9)} <= kinds  # verify blocks of 2 to 8 positions: an input each
+    assert {(k, n) for *_, k, n in seen} == {(512, 128), (128, 512)}  # gate/up, down
+    hits, fallbacks = counts()
+    assert hits["kernel"] == len(seen)
+    assert set(fallbacks) == {"sorted"}  # the prompt's prefill: 24 x 8 routes, which stock sorts first
+
+
+def test_under_expert_combine_and_layer_decode(monkeypatch, model, stock_outputs):
+    """expert_combine's MoE.__call__ calls the experts itself (its kernel pretended with stock's combine):
+    the marking wrapper must be outside it. layer_decode traces the MoE layers with the kernel inside."""
+    from mlx_vlm.models.switch_layers import SwitchGLU
+
+    from glm53_patches.patches import expert_combine, layer_decode
+    from glm53_patches.patches.expert_combine import combine
+
+    monkeypatch.setattr(combine, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(combine, "unsupported", lambda *args: None)
+    monkeypatch.setattr(combine, "expert_combine", lambda routed, weights, shared: SwitchGLU._combine(
+        routed, weights, shared))
+    with combine.switch.forcing(True):
+        actual, seen = run_pretending(monkeypatch, model, ["expert_combine", NAME, "layer_decode"])
+    assert_bitwise(stock_outputs, actual, "routed_experts under expert_combine and layer_decode")
+    assert seen and counts()[0]["kernel"] == len(seen)
+    assert expert_combine.PATCH.stats.snapshot()["hits"]
+    assert layer_decode.PATCH.stats.snapshot()["hits"]
+
+
+def test_verify_on_the_cpu_says_it_steps_aside():
+    from glm53_patches.patches.routed_experts.checks.verify import verify
+
+    result = verify()
+    assert result["exact"] and result["cases"] >= 4
+    assert "steps aside" in result["detail"]
