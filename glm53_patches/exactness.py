@@ -86,6 +86,15 @@ class Tally:
             bad.append(f"{len(expected)} outputs expected, {len(actual)} produced")
         return self.add(name, not bad, worst, "; ".join(bad))
 
+    def against_stock(self, name, expected, again, actual):
+        """One op case: stock's result (``expected``, and ``again`` from a second run: inconclusive where
+        stock differs from itself) against the patch's, bit for bit."""
+        mx.eval(expected, again, actual)
+        if not same_bits(expected, again):
+            return self.inconclusive(name, "stock differs from itself")
+        exact = same_bits(expected, actual)
+        return self.add(name, exact, 0.0 if exact else abs_diff(expected, actual))
+
     def add(self, name, exact, max_abs_diff=0.0, why=""):
         """A case the check compared itself: ``exact`` or not (``why`` says where it differs)."""
         self.cases += 1

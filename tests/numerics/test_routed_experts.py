@@ -210,3 +210,30 @@ def test_verify_on_the_cpu_says_it_steps_aside():
     result = verify()
     assert result["exact"] and result["cases"] >= 4
     assert "steps aside" in result["detail"]
+
+
+def test_verifys_op_check_runs_through_the_wrapper(monkeypatch):
+    """verify's CUDA-only op cases, at small widths, CUDA pretended and the kernel answered by gather_qmm:
+    every call form is taken by the wrapper and every setting reaches the kernel; a kernel that gets a
+    route wrong is reported as differing."""
+    from glm53_patches.exactness import Tally
+    from glm53_patches.patches.routed_experts.checks import verify
+
+    def stock_kernel(x, w, scales, biases, idx, **settings):
+        per_route = mx.repeat(x, idx.shape[0] // x.shape[0], axis=0)[:, None, :]
+        return mx.gather_qmm(per_route, w, scales, biases, rhs_indices=idx, transpose=True, group_size=64,
+                             bits=4)[:, 0, :]
+
+    monkeypatch.setattr(verify, "SHAPES", [("gate/up", 256, 512), ("down", 512, 256)])
+    monkeypatch.setattr(verify, "EXPERTS", 16)
+    monkeypatch.setattr(experts, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernel, "expert_mma", stock_kernel)
+    tally = Tally()
+    verify.check_op(tally)
+    result = tally.result(0.1)
+    assert result["exact"], result["detail"]
+    assert result["cases"] == 2 * (len(verify.CALLS) + len(verify.SETTINGS))
+    monkeypatch.setattr(kernel, "expert_mma", lambda x, w, s, b, idx, **kw: stock_kernel(x, w, s, b, idx[::-1]))
+    wrong = Tally()
+    verify.check_op(wrong)
+    assert not wrong.result(0.1)["exact"]

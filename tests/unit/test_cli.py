@@ -130,3 +130,18 @@ def test_tally_records_every_kind_of_case():
     only_inconclusive = Tally()
     only_inconclusive.inconclusive("x", "why")
     assert only_inconclusive.result(0.1)["exact"] is False  # nothing compared proves nothing
+
+
+def test_tally_against_stock_is_inconclusive_where_stock_differs_from_itself():
+    import mlx.core as mx
+
+    from glm53_patches.exactness import Tally
+
+    one, other = mx.array([1.0]), mx.array([1.0000001])
+    tally = Tally()
+    tally.against_stock("exact", one, one, one)
+    tally.against_stock("differs", one, one, other)
+    tally.against_stock("stock unstable", one, other, one)
+    results = tally.result(0.1)["case_results"]
+    assert [c["result"] for c in results] == ["exact", "differs", "inconclusive"]
+    assert results[1]["max_abs_diff"] > 0
