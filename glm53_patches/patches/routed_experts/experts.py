@@ -7,12 +7,13 @@ route: at decode (``[B, 1, H]``) over the B x 8 routes, in a verify block
 (through ``quantized_verifier.exact_quantized_switch_linear`` and
 ``exact_quantized_selected_linear``) over the block's B x L x 8. Both classes
 are shared by every mlx-vlm model, so the ``MoE.__call__`` wrapper marks the
-calls made inside a ``Glm5NextMoE`` (a thread-local depth; it runs before
-expert_combine's and the prefill patches' wrappers of the same method, which
-call the ``SwitchGLU`` themselves), and the projection wrapper takes only
-those, where stock's ``gather_qmm`` runs ``qmm_sm80`` (``unsupported``) and
-the kernel is wanted on CUDA. Every other call goes to the installed
-function; a marked one is counted by reason.
+calls made inside a ``Glm5NextMoE`` where the kernel is wanted on CUDA (a
+thread-local depth; it runs before expert_combine's and the prefill patches'
+wrappers of the same method, which call the ``SwitchGLU`` themselves;
+elsewhere it counts the block once, by reason), and the projection wrapper
+takes only those, where stock's ``gather_qmm`` runs ``qmm_sm80``
+(``unsupported``). Every other call goes to the installed function; a marked
+one is counted by reason.
 """
 
 import functools
@@ -106,6 +107,11 @@ def make_moe_call(original):
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
         if not isinstance(self, _lang.Glm5NextMoE):
+            return original(self, *args, **kwargs)
+        # decided once per block here, so that off CUDA its projections pay one attribute lookup each
+        backend = gpu_backend()
+        if backend != "cuda" or not switch.wanted(backend):
+            stats.fallback("no CUDA" if backend != "cuda" else "kernel off (not verified here)")
             return original(self, *args, **kwargs)
         _inside.depth = getattr(_inside, "depth", 0) + 1
         try:
