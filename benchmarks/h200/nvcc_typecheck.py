@@ -3,10 +3,12 @@
 ``mx.fast.cuda_kernel`` compiles (with NVRTC) its default header, the kernel's
 header, then ``__global__ void NAME(inputs, [x_shape,] outputs)`` whose body
 declares the template arguments and holds the source. This builds the same
-text for block_qmv (every width, 2/4/7 positions, 1 and 2 rows per warp) and,
-as a control, exact_qmv's verified kernel, with a small stand-in for MLX's
-default header (``Shape``), and compiles it for sm_90 with nvcc against the
-cutlass headers of MLX's CUDA wheel. ``--ptxas`` prints registers and spills.
+text for block_qmv (every width, 2/4/7 positions, 1 and 2 rows per warp),
+routed_experts (both expert shapes, an input per route or per 8, its launch
+and dequantization variants) and, as a control, exact_qmv's verified kernel,
+with a small stand-in for MLX's default header (``Shape``), and compiles it
+for sm_90 with nvcc against the cutlass headers of MLX's CUDA wheel.
+``--ptxas`` prints registers and spills. s35: 89 kernels, rc 0.
 
     pip download --no-deps mlx-cuda-13==0.32.4 -d /tmp/w && unzip -q /tmp/w/*.whl -d /tmp/w/x
     python benchmarks/h200/nvcc_typecheck.py --include /tmp/w/x/mlx/include [--ptxas]
@@ -23,6 +25,7 @@ import tempfile
 
 from glm53_patches.patches.block_qmv import kernel as block
 from glm53_patches.patches.exact_qmv import kernel as single
+from glm53_patches.patches.routed_experts import kernel as experts
 
 STAND_IN = r"""
 #include <cuda_bf16.h>
@@ -35,13 +38,20 @@ CUDA_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 
 def unit(index, spec, template):
-    """One kernel as MLX builds it, its header's namespace made unique so that many fit one file."""
+    """One kernel as MLX builds it, its header's namespace made unique so that many fit one file: a pointer
+    per input (``w`` and ``idx`` uint32, the rest of type T, bf16 where T is not a template argument) and
+    the ``<input>_shape`` arguments its source names."""
     source, header = spec["cuda"]
-    t = template[0][1]
+    t = dict(template).get("T", CUDA_TYPES["bf16"])
     name = f"{spec['name']}_{index}"
-    text = header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-    text += (f"__global__ void {name}(const {t}* x, const uint32_t* w, const {t}* scales, "
-             f"const __grid_constant__ Shape scales_shape, const {t}* biases, {t}* out) {{\n")
+    params = []
+    for arg in spec["inputs"]:
+        params.append(f"const {'uint32_t' if arg in ('w', 'idx') else t}* {arg}")
+        if f"{arg}_shape" in source:
+            params.append(f"const __grid_constant__ Shape {arg}_shape")
+    params += [f"{t}* {out}" for out in spec["outputs"]]
+    text = (header or "") + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+    text += f"__global__ void {name}({', '.join(params)}) {{\n"
     text += "".join(f"  using {k} = {v};\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
     text += source + "\n}\n}\n"
     return text.replace("glm53_qmv", f"glm53_qmv_{index}")
@@ -54,6 +64,10 @@ def units():
                                       ("WARPS", block.WARPS), ("RPW", rpw)]))
     out.append((single.QMV, [("T", CUDA_TYPES["bf16"]), ("BITS", 6), ("GROUP", 64), ("K", 4096), ("AHEAD", 1),
                              ("WARPS", 4), ("RPW", 2)]))  # the control: passed CUDA verify (s28)
+    for (n, k), per_row, (warps, tiles, magic, fill) in itertools.product(
+            ((2048, 4096), (4096, 2048)), (8, 1), ((4, 1, 0, 0), (2, 2, 1, 1), (2, 4, 1, 0), (8, 1, 1, 0))):
+        out.append((experts.EXPERT_MMA, [("K", k), ("N", n), ("PER_ROW", per_row), ("WARPS", warps),
+                                         ("TILES", tiles), ("MAGIC", magic), ("FILL", fill)]))
     return out
 
 
