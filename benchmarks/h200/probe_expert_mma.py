@@ -27,9 +27,9 @@ Usage: python probe_expert_mma.py [--out FILE.json]   (CUDA only)
 import argparse
 import json
 import statistics
-import time
 
 import mlx.core as mx
+from micro_qmv import timed  # REPS calls over the pool, one evaluation: seconds per call
 
 from glm53_patches.patches.routed_experts.kernel import expert_mma
 
@@ -40,15 +40,6 @@ ROUNDS, REPS, POOL = 5, 20, 16  # s35: 5 arms' timings took about 15 s of a 55 s
 def stock(x, w, scales, biases, idx):
     return mx.gather_qmm(x[:, None, :], w, scales, biases, rhs_indices=idx, transpose=True, group_size=GROUP,
                          bits=BITS)[:, 0, :]
-
-
-def timed(fn, args):
-    outs = [fn(*args[i % len(args)]) for i in range(REPS)]
-    mx.synchronize()
-    start = time.perf_counter()
-    mx.eval(outs)
-    mx.synchronize()
-    return (time.perf_counter() - start) / REPS
 
 
 def probe(label, n, k, routes):
@@ -75,10 +66,10 @@ def probe(label, n, k, routes):
                     for p in pool)
     times = {name: [] for name in arms}
     for name, fn in arms.items():
-        timed(fn, pool)
+        timed(fn, pool, REPS)
     for r in range(ROUNDS):
         for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-            times[name].append(timed(arms[name], pool))
+            times[name].append(timed(arms[name], pool, REPS)[0])
     per_route = (w.nbytes + s.nbytes + b.nbytes) / EXPERTS
     row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact, "max_deviation": deviation,
            "arms": {name: {"us": statistics.median(ts) * 1e6, "gbps": routes * per_route / statistics.median(ts) / 1e9,

@@ -151,20 +151,24 @@ def test_only_glm5_next_moe_calls_are_taken(applied):
     assert counts() == ({}, {"no CUDA": 1})
 
 
+def stock_expert_mma(x, w, scales, biases, idx, **settings):
+    """Stands in for ``kernel.expert_mma`` (whose settings change no bit): stock's ``gather_qmm`` over the
+    routes, each route's input row found as the kernel finds it (``r // (R / X)``)."""
+    per_route = mx.repeat(x, idx.shape[0] // x.shape[0], axis=0)[:, None, :]
+    return mx.gather_qmm(per_route, w, scales, biases, rhs_indices=idx, transpose=True, group_size=64, bits=4)[:, 0, :]
+
+
 def run_pretending(monkeypatch, model, names):
     """``outputs`` with ``names`` applied (their counters reset) and routed_experts' kernel forced on, CUDA
-    pretended; the "kernel" records what it is handed and returns stock's gather_qmm on it, each route's
-    input row found as the kernel finds it (``r // (R / X)``). Returns the outputs and the record."""
+    pretended; the "kernel" records what it is handed and answers with ``stock_expert_mma``. Returns the
+    outputs and the record."""
     from glm53_patches import registry
 
     seen = []
 
     def recorder(x, w, scales, biases, idx):
-        routes, rows = idx.shape[0], x.shape[0]
-        seen.append((routes, rows, x.shape[1], w.shape[1]))
-        per_route = mx.repeat(x, routes // rows, axis=0)[:, None, :]
-        out = mx.gather_qmm(per_route, w, scales, biases, rhs_indices=idx, transpose=True, group_size=64, bits=4)
-        return out[:, 0, :]
+        seen.append((idx.shape[0], x.shape[0], x.shape[1], w.shape[1]))
+        return stock_expert_mma(x, w, scales, biases, idx)
 
     monkeypatch.setattr(experts, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(kernel, "expert_mma", recorder)
@@ -225,21 +229,16 @@ def test_verifys_op_check_runs_through_the_wrapper(monkeypatch):
     from glm53_patches.exactness import Tally
     from glm53_patches.patches.routed_experts.checks import verify
 
-    def stock_kernel(x, w, scales, biases, idx, **settings):
-        per_route = mx.repeat(x, idx.shape[0] // x.shape[0], axis=0)[:, None, :]
-        return mx.gather_qmm(per_route, w, scales, biases, rhs_indices=idx, transpose=True, group_size=64,
-                             bits=4)[:, 0, :]
-
     monkeypatch.setattr(verify, "SHAPES", [("gate/up", 256, 512), ("down", 512, 256)])
     monkeypatch.setattr(verify, "EXPERTS", 16)
     monkeypatch.setattr(experts, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernel, "expert_mma", stock_kernel)
+    monkeypatch.setattr(kernel, "expert_mma", stock_expert_mma)
     tally = Tally()
     verify.check_op(tally)
     result = tally.result(0.1)
     assert result["exact"], result["detail"]
     assert result["cases"] == 2 * (len(verify.CALLS) + len(verify.SETTINGS))
-    monkeypatch.setattr(kernel, "expert_mma", lambda x, w, s, b, idx, **kw: stock_kernel(x, w, s, b, idx[::-1]))
+    monkeypatch.setattr(kernel, "expert_mma", lambda x, w, s, b, idx, **kw: stock_expert_mma(x, w, s, b, idx[::-1]))
     wrong = Tally()
     verify.check_op(wrong)
     assert not wrong.result(0.1)["exact"]
