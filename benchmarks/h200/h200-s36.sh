@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The next device session's plan for routed_experts (s35: written, never run as a patch on a GPU).
 # One foreground call per part on a warm machine; the caller tars /root/res to $OUT.
-# Part v: `verify routed_experts` alone (a cold machine spends most of 460 s compiling: s35), then
-#   `verify layer_decode` (its COMPOSES gained routed_experts, so its code digest and record moved).
+# Part v: `verify routed_experts` and `verify layer_decode` side by side (its COMPOSES gained
+#   routed_experts, so its code digest and record moved; alone it took 256-396 s on earlier machines).
 # Part p: probe_expert_mma.py: the kernel's variants (2 warps, bf16-pair dequantization, 2 and 4 tiles)
 #   against gather_qmm, bit for bit and timed; pick the fastest exact one as the default.
 # Part b: decode at 256 and 4,096 tokens and 4-token verify blocks, D vs D + routed_experts (with
@@ -12,8 +12,7 @@ PART=${1:-v}
 BUDGET=${2:-560}
 . "$(dirname "$0")/stages.sh"
 if [ "$PART" = v ]; then
-  VERIFY_LIMIT=$(( $(left) / 2 - 10 )) verify_all routed_experts
-  VERIFY_LIMIT=$(( $(left) - 20 )) verify_all layer_decode
+  VERIFY_LIMIT=$(( $(left) - 20 )) verify_all routed_experts layer_decode  # in parallel, a kernel cache each
 elif [ "$PART" = p ]; then
   stage probe $(( $(left) - 10 )) $PY "$(dirname "$0")/probe_expert_mma.py" --out $RES/probe_expert_mma.json
 else

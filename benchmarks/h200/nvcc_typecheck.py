@@ -64,10 +64,11 @@ def units():
                                       ("WARPS", block.WARPS), ("RPW", rpw)]))
     out.append((single.QMV, [("T", CUDA_TYPES["bf16"]), ("BITS", 6), ("GROUP", 64), ("K", 4096), ("AHEAD", 1),
                              ("WARPS", 4), ("RPW", 2)]))  # the control: passed CUDA verify (s28)
-    for (n, k), per_row, (warps, tiles, magic, fill) in itertools.product(
-            ((2048, 4096), (4096, 2048)), (8, 1), ((4, 1, 0, 0), (2, 2, 1, 1), (2, 4, 1, 0), (8, 1, 1, 0))):
+    for (n, k), per_row, (warps, depth, tiles, magic, fill) in itertools.product(
+            ((2048, 4096), (4096, 2048)), (8, 1),
+            ((4, experts.DEPTH, 1, 0, 0), (2, 1, 2, 1, 1), (2, 8, 4, 1, 0), (8, 3, 1, 1, 0))):
         out.append((experts.EXPERT_MMA, [("K", k), ("N", n), ("PER_ROW", per_row), ("WARPS", warps),
-                                         ("TILES", tiles), ("MAGIC", magic), ("FILL", fill)]))
+                                         ("DEPTH", depth), ("TILES", tiles), ("MAGIC", magic), ("FILL", fill)]))
     return out
 
 

@@ -38,11 +38,11 @@ VERIFIED_S34 = {
 }
 
 
-# routed_experts' kernel as written in s35, never run as a patch: an earlier text of it (benchmarks/h200/
-# probe_expert_mma.py's, one tile, an input per route) was bit-identical to gather_qmm on an H100 in s35.
+# routed_experts' kernel with its groups loaded DEPTH ahead (s36). Its text before that (launch digest
+# 5ec35ab1e89d..., code digest 2a7e1988244f) passed `verify routed_experts` on an H100 in s36 (28 cases).
 # This pins what `verify routed_experts` must pass on CUDA before it moves to a verified set.
 NOT_YET_VERIFIED = {
-    "routed_experts": "5ec35ab1e89d3bb5dac21a46fab42134aad194a7d89c4465c5b762e74493248b",
+    "routed_experts": "049d2749752ad3ef12ff8b3bd7df11f32494fe2bab65c409ba0567f35cd05677",
 }
 
 

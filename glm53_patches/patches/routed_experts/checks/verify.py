@@ -43,8 +43,8 @@ CALLS = [
     ("verify block of 2", (1, 2, 1), (1, 2, 8)),
     ("verify block of 7", (1, 7, 1), (1, 7, 8)),
 ]
-SETTINGS = [dict(warps=2), dict(warps=8), dict(tiles=2), dict(tiles=4, warps=2), dict(magic=1),
-            dict(magic=1, tiles=2), dict(fill=1)]
+SETTINGS = [dict(warps=2), dict(warps=8), dict(depth=1), dict(depth=3), dict(depth=8), dict(tiles=2),
+            dict(tiles=4, warps=2), dict(magic=1), dict(magic=1, tiles=2, depth=2), dict(fill=1)]  # depth 3: K / 64 uneven
 
 
 def case(n, k, x_batch, routes_shape, seed):
