@@ -31,17 +31,13 @@ VERIFIED_S28 = {
 }
 
 
-# block_qmv's kernel as it passed `verify block_qmv` on an H100 (s34, 53 cases, code digest 119594fb9efd; again in s35 after the Metal twin, code digest a15995c7ce76;
-# sm_90 like the H200), recorded from that code the same way. A change here needs that CUDA verify again.
-VERIFIED_S34 = {
+# Kernels as they passed `verify` on an H100 (sm_90 like the H200), recorded from that code the same way.
+# A change here needs that CUDA verify again.
+# - block_qmv: s34, 53 cases, code digest 119594fb9efd; again in s35 after the Metal twin, code digest a15995c7ce76.
+# - routed_experts: s36, 34 cases, code digest 8f0583f2a930 (its groups loaded 4 ahead; the text before that,
+#   launch digest 5ec35ab1e89d..., code digest 2a7e1988244f, passed 28 cases earlier in s36).
+VERIFIED_H100 = {
     "block_qmv": "fb3bc7ce590cb9ff3bee97cd28f3bcf2e90fb3f2bc6ab9633b07d85ee62a9b29",
-}
-
-
-# routed_experts' kernel with its groups loaded DEPTH ahead (s36). Its text before that (launch digest
-# 5ec35ab1e89d..., code digest 2a7e1988244f) passed `verify routed_experts` on an H100 in s36 (28 cases).
-# This pins what `verify routed_experts` must pass on CUDA before it moves to a verified set.
-NOT_YET_VERIFIED = {
     "routed_experts": "049d2749752ad3ef12ff8b3bd7df11f32494fe2bab65c409ba0567f35cd05677",
 }
 
@@ -61,14 +57,9 @@ def test_cuda_launches_are_the_verified_ones(digests, patch):
     assert digests[patch] == VERIFIED_S28[patch], f"{patch}'s CUDA kernel text or launch differs from what the H200 verified"
 
 
-@pytest.mark.parametrize("patch", sorted(VERIFIED_S34))
-def test_cuda_launches_are_the_verified_s34_ones(digests, patch):
-    assert digests[patch] == VERIFIED_S34[patch], f"{patch}'s CUDA kernel text or launch differs from what the H100 verified"
-
-
-@pytest.mark.parametrize("patch", sorted(NOT_YET_VERIFIED))
-def test_cuda_launches_not_yet_verified_are_pinned(digests, patch):
-    assert digests[patch] == NOT_YET_VERIFIED[patch], f"{patch}'s CUDA kernel text or launch differs from the pinned one"
+@pytest.mark.parametrize("patch", sorted(VERIFIED_H100))
+def test_cuda_launches_are_the_h100_verified_ones(digests, patch):
+    assert digests[patch] == VERIFIED_H100[patch], f"{patch}'s CUDA kernel text or launch differs from what the H100 verified"
 
 
 def test_every_cuda_kernel_is_recorded():
@@ -79,7 +70,7 @@ def test_every_cuda_kernel_is_recorded():
 
     root = pathlib.Path(glm53_patches.__file__).parent
     users = {p.parent.name for p in root.rglob("*.py") if "mx.fast.cuda_kernel(" in p.read_text()}
-    recorded = set(MAIN_4ED0234) | set(VERIFIED_S28) | set(VERIFIED_S34) | set(NOT_YET_VERIFIED)
+    recorded = set(MAIN_4ED0234) | set(VERIFIED_S28) | set(VERIFIED_H100)
     assert users - {"kernels"} <= recorded  # kernels/: hc_sinkhorn, recorded as hc_decode
     assert set(cuda_launches.PATCHES) == recorded
     for name, records in cuda_launches.records().items():
