@@ -17,6 +17,9 @@ their outputs mean nothing):
 If ``fragment`` is already as slow as expert_mma, the access pattern is the
 limit and a faster exact kernel must reshape its loads (and then move bytes
 between lanes); if it is much faster, the dequantization and MMA issue are.
+s36: the loads took 27 of expert_mma's 37 us, side by side 20. So ``SIDE``
+below reads side by side and keeps expert_mma's arithmetic; it is checked bit
+for bit against ``gather_qmm`` and timed with the rest (30 us, bit-identical).
 
 Usage: python probe_expert_loads.py [--out FILE.json]   (CUDA only)
 """
