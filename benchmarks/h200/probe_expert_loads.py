@@ -24,18 +24,13 @@ for bit against ``gather_qmm`` and timed with the rest (30 us, bit-identical).
 Usage: python probe_expert_loads.py [--out FILE.json]   (CUDA only)
 """
 
-import argparse
-import json
-import statistics
-
 import mlx.core as mx
-from micro_qmv import timed  # REPS calls over the pool, one evaluation: seconds per call
+from probe_expert_mma import main, pool_of, stock, time_arms  # the same experts, routes, timing and output
 
 from glm53_patches.kernels.build import gpu_kernel
 from glm53_patches.patches.routed_experts.kernel import expert_mma
 
-EXPERTS, GROUP, BITS, WARPS = 64, 64, 4, 4
-ROUNDS, REPS, POOL = 5, 20, 16
+WARPS = 4
 
 SOURCE = r"""
   const int lane = threadIdx.x & 31;
@@ -185,53 +180,19 @@ def loads(x, w, scales, biases, idx, mode):
         output_shapes=[(routes, n // 8 * 32)], output_dtypes=[mx.uint32])[0]
 
 
-def stock(x, w, scales, biases, idx):
-    return mx.gather_qmm(x[:, None, :], w, scales, biases, rhs_indices=idx, transpose=True, group_size=GROUP,
-                         bits=BITS)[:, 0, :]
-
-
 def probe(label, n, k, routes):
-    key = mx.random.key(n + k)
-    weight = (mx.random.normal((EXPERTS, n, k), key=key) * k**-0.5).astype(mx.bfloat16)
-    w, s, b = mx.quantize(weight, group_size=GROUP, bits=BITS)
-    del weight
-    pool = []
-    for i in range(POOL):
-        x = mx.random.normal((routes, k), key=mx.random.key(100 + i)).astype(mx.bfloat16)
-        picks = [mx.random.permutation(EXPERTS, key=mx.random.key(1000 * i + j))[:8] for j in range(-(-routes // 8))]
-        pool.append((x, w, s, b, mx.concatenate(picks)[:routes].astype(mx.uint32)))
-    mx.eval(w, s, b, pool)
+    pool, per_route = pool_of(n, k, routes)
     arms = {"stock gather_qmm": stock, "expert_mma": expert_mma, "side by side, exact?": side,
             "fragment": lambda *a: loads(*a, 0), "fragment + x": lambda *a: loads(*a, 1),
             "coalesced": lambda *a: loads(*a, 2), "stream": lambda *a: loads(*a, 3)}
     exact = all(mx.array_equal(side(*p), stock(*p)).item() for p in pool)
-    times = {name: [] for name in arms}
-    for fn in arms.values():
-        timed(fn, pool, REPS)
-    for r in range(ROUNDS):
-        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-            times[name].append(timed(arms[name], pool, REPS)[0])
-    per_route = (w.nbytes + s.nbytes + b.nbytes) / EXPERTS
     row = {"label": label, "n": n, "k": k, "routes": routes, "side_by_side_exact": exact,
-           "arms": {name: {"us": statistics.median(ts) * 1e6, "gbps": routes * per_route / statistics.median(ts) / 1e9,
-                           "us_rounds": [t * 1e6 for t in ts]} for name, ts in times.items()}}
+           "arms": time_arms(arms, pool, routes, per_route)}
     print(f"{label} {n}x{k}, {routes} routes: side by side bit-identical to gather_qmm: {exact}", flush=True)
     for name, a in row["arms"].items():
         print(f"    {name:22s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s", flush=True)
     return row
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="probe_expert_loads.json")
-    args = parser.parse_args()
-    if mx.metal.is_available() or mx.default_device() != mx.gpu:
-        raise SystemExit("probe_expert_loads: needs MLX's CUDA backend")
-    rows = [probe(label, n, k, routes) for routes in (8, 32)
-            for label, n, k in (("gate/up", 2048, 4096), ("down", 4096, 2048))]
-    with open(args.out, "w") as f:
-        json.dump({"device": str(mx.default_device()), "rows": rows}, f, indent=1)
-
-
 if __name__ == "__main__":
-    main()
+    main(probe, "probe_expert_loads")

@@ -45,7 +45,9 @@ def stock(x, w, scales, biases, idx):
                          bits=BITS)[:, 0, :]
 
 
-def probe(label, n, k, routes):
+def pool_of(n, k, routes):
+    """POOL calls' operands over one set of 64 random 4-bit experts ([n, k] each): a random input per route
+    and random top-8 picks. Also returns the bytes of one route's weights, scales and biases."""
     key = mx.random.key(n + k)
     weight = (mx.random.normal((EXPERTS, n, k), key=key) * k**-0.5).astype(mx.bfloat16)
     w, s, b = mx.quantize(weight, group_size=GROUP, bits=BITS)
@@ -56,6 +58,24 @@ def probe(label, n, k, routes):
         picks = [mx.random.permutation(EXPERTS, key=mx.random.key(1000 * i + j))[:8] for j in range(-(-routes // 8))]
         pool.append((x, w, s, b, mx.concatenate(picks)[:routes].astype(mx.uint32)))
     mx.eval(w, s, b, pool)
+    return pool, (w.nbytes + s.nbytes + b.nbytes) / EXPERTS
+
+
+def time_arms(arms, pool, routes, per_route):
+    """Each arm's median seconds per call over ROUNDS interleaved rounds (after one untimed pass each), as
+    us and GB/s of the routes' weights, with every round's us."""
+    times = {name: [] for name in arms}
+    for fn in arms.values():
+        timed(fn, pool, REPS)
+    for r in range(ROUNDS):
+        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+            times[name].append(timed(arms[name], pool, REPS)[0])
+    return {name: {"us": statistics.median(ts) * 1e6, "gbps": routes * per_route / statistics.median(ts) / 1e9,
+                   "us_rounds": [t * 1e6 for t in ts]} for name, ts in times.items()}
+
+
+def probe(label, n, k, routes):
+    pool, per_route = pool_of(n, k, routes)
     arms = {"stock": stock, "mma": expert_mma,  # the default: 4 warps, 4 groups ahead, 1 tile
             "1 ahead": lambda *a: expert_mma(*a, depth=1),
             "2 ahead": lambda *a: expert_mma(*a, depth=2),
@@ -69,16 +89,8 @@ def probe(label, n, k, routes):
         mx.array_equal(expert_mma(*p, fill=1, magic=1, tiles=2), stock(*p)).item() for p in pool)
     deviation = max(mx.max(mx.abs(expert_mma(*p).astype(mx.float32) - stock(*p).astype(mx.float32))).item()
                     for p in pool)
-    times = {name: [] for name in arms}
-    for name, fn in arms.items():
-        timed(fn, pool, REPS)
-    for r in range(ROUNDS):
-        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-            times[name].append(timed(arms[name], pool, REPS)[0])
-    per_route = (w.nbytes + s.nbytes + b.nbytes) / EXPERTS
     row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact, "max_deviation": deviation,
-           "arms": {name: {"us": statistics.median(ts) * 1e6, "gbps": routes * per_route / statistics.median(ts) / 1e9,
-                           "us_rounds": [t * 1e6 for t in ts]} for name, ts in times.items()}}
+           "arms": time_arms(arms, pool, routes, per_route)}
     print(f"{label} {n}x{k}, {routes} routes: max deviation (mma) {deviation:g}", flush=True)
     for name, a in row["arms"].items():
         print(f"    {name:22s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s  exact {exact[name]}", flush=True)
@@ -86,12 +98,13 @@ def probe(label, n, k, routes):
     return row
 
 
-def main():
+def main(probe=probe, name="probe_expert_mma"):
+    """Every shape at 8 and 32 routes, printed and written to --out (JSON)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="probe_expert_mma.json")
+    parser.add_argument("--out", default=f"{name}.json")
     args = parser.parse_args()
     if mx.metal.is_available() or mx.default_device() != mx.gpu:
-        raise SystemExit("probe_expert_mma: needs MLX's CUDA backend")
+        raise SystemExit(f"{name}: needs MLX's CUDA backend")
     rows = [probe(label, n, k, routes) for routes in (8, 32)
             for label, n, k in (("gate/up", 2048, 4096), ("down", 4096, 2048))]
     with open(args.out, "w") as f:
