@@ -106,46 +106,74 @@ SIDE = r"""
   const uint2* sr = reinterpret_cast<const uint2*>(scales + row * GROUPS);
   const uint2* br = reinterpret_cast<const uint2*>(biases + row * GROUPS);
   uint4* mine = rows[warp_in_block];
-  uint4 a = wr[t], b = wr[4 + t];  // row g's bytes 16t and 64 + 16t of step 0
-  uint2 s4 = sr[0], z4 = br[0];
+  // AHEAD steps in flight: slot i holds row g's bytes 16t and 64 + 16t of a step, and its 4 scales and biases
+  uint4 ra[AHEAD], rb[AHEAD];
+  uint2 rs[AHEAD], rz[AHEAD];
+#pragma unroll
+  for (int i = 0; i < AHEAD; ++i) {
+    if (i < STEPS) {
+      ra[i] = wr[8 * i + t];
+      rb[i] = wr[8 * i + 4 + t];
+      rs[i] = sr[i];
+      rz[i] = br[i];
+    }
+  }
   float d[4] = {};
 #pragma unroll 1
-  for (int step = 0; step < STEPS; ++step) {
-    __syncwarp();
-    mine[g * 9 + t] = a;
-    mine[g * 9 + 4 + t] = b;
-    const uint2 sc = s4, zc = z4;
-    __syncwarp();
-    if (step + 1 < STEPS) {  // the next step's bytes in flight while this one computes
-      a = wr[8 * (step + 1) + t];
-      b = wr[8 * (step + 1) + 4 + t];
-      s4 = sr[step + 1];
-      z4 = br[step + 1];
-    }
+  for (int first = 0; first < STEPS; first += AHEAD) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int group = 4 * step + q;
-      const uint4 lo = mine[g * 9 + 2 * q], hi = mine[g * 9 + 2 * q + 1];
-      const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      const uint32_t sw = q < 2 ? sc.x : sc.y, zw = q < 2 ? zc.x : zc.y;
-      const __nv_bfloat16 sg = __ushort_as_bfloat16((unsigned short)(q % 2 ? sw >> 16 : sw & 0xffff));
-      const __nv_bfloat16 zg = __ushort_as_bfloat16((unsigned short)(q % 2 ? zw >> 16 : zw & 0xffff));
-      const uint4 xa = xs[(group * 4 + t) * 2], xb = xs[(group * 4 + t) * 2 + 1];
-      const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    for (int i = 0; i < AHEAD; ++i) {
+      const int step = first + i;
+      if (step >= STEPS) {
+        break;
+      }
+      __syncwarp();
+      mine[g * 9 + t] = ra[i];
+      mine[g * 9 + 4 + t] = rb[i];
+      const uint2 sc = rs[i], zc = rz[i];
+      __syncwarp();
+      if (step + AHEAD < STEPS) {
+        ra[i] = wr[8 * (step + AHEAD) + t];
+        rb[i] = wr[8 * (step + AHEAD) + 4 + t];
+        rs[i] = sr[step + AHEAD];
+        rz[i] = br[step + AHEAD];
+      }
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const uint32_t a0 = g == 0 ? xv[2 * c] : 0u, a2 = g == 0 ? xv[2 * c + 1] : 0u;
-        const uint32_t q0 = (words[2 * c] >> (8 * t)) & 0xff, q1 = (words[2 * c + 1] >> (8 * t)) & 0xff;
-        const __nv_bfloat16 w0 = __hfma(__uint2bfloat16_rn(q0 & 15), sg, zg);
-        const __nv_bfloat16 w1 = __hfma(__uint2bfloat16_rn(q0 >> 4), sg, zg);
-        const __nv_bfloat16 w2 = __hfma(__uint2bfloat16_rn(q1 & 15), sg, zg);
-        const __nv_bfloat16 w3 = __hfma(__uint2bfloat16_rn(q1 >> 4), sg, zg);
-        const uint32_t b0 = (uint32_t)__bfloat16_as_ushort(w0) | ((uint32_t)__bfloat16_as_ushort(w1) << 16);
-        const uint32_t b1 = (uint32_t)__bfloat16_as_ushort(w2) | ((uint32_t)__bfloat16_as_ushort(w3) << 16);
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+      for (int q = 0; q < 4; ++q) {
+        const int group = 4 * step + q;
+        const uint4 lo = mine[g * 9 + 2 * q], hi = mine[g * 9 + 2 * q + 1];
+        const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        const uint32_t sw = q < 2 ? sc.x : sc.y, zw = q < 2 ? zc.x : zc.y;
+        const __nv_bfloat16 sg = __ushort_as_bfloat16((unsigned short)(q % 2 ? sw >> 16 : sw & 0xffff));
+        const __nv_bfloat16 zg = __ushort_as_bfloat16((unsigned short)(q % 2 ? zw >> 16 : zw & 0xffff));
+        const uint4 xa = xs[(group * 4 + t) * 2], xb = xs[(group * 4 + t) * 2 + 1];
+        const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const uint32_t a0 = g == 0 ? xv[2 * c] : 0u, a2 = g == 0 ? xv[2 * c + 1] : 0u;
+          const uint32_t q0 = (words[2 * c] >> (8 * t)) & 0xff, q1 = (words[2 * c + 1] >> (8 * t)) & 0xff;
+          uint32_t b0, b1;
+          if (MAGIC) {  // bf16 pairs 128 + q, minus 128 (exact), then one fma per value, as in expert_mma
+            const __nv_bfloat162 base = __floats2bfloat162_rn(128.f, 128.f);
+            const __nv_bfloat162 s2 = __bfloat162bfloat162(sg), z2 = __bfloat162bfloat162(zg);
+            uint32_t p0 = 0x43004300u | (q0 & 15) | ((q0 >> 4) << 16), p1 = 0x43004300u | (q1 & 15) | ((q1 >> 4) << 16);
+            __nv_bfloat162 v0 = __hfma2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&p0), base), s2, z2);
+            __nv_bfloat162 v1 = __hfma2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&p1), base), s2, z2);
+            b0 = *reinterpret_cast<uint32_t*>(&v0);
+            b1 = *reinterpret_cast<uint32_t*>(&v1);
+          } else {
+            const __nv_bfloat16 w0 = __hfma(__uint2bfloat16_rn(q0 & 15), sg, zg);
+            const __nv_bfloat16 w1 = __hfma(__uint2bfloat16_rn(q0 >> 4), sg, zg);
+            const __nv_bfloat16 w2 = __hfma(__uint2bfloat16_rn(q1 & 15), sg, zg);
+            const __nv_bfloat16 w3 = __hfma(__uint2bfloat16_rn(q1 >> 4), sg, zg);
+            b0 = (uint32_t)__bfloat16_as_ushort(w0) | ((uint32_t)__bfloat16_as_ushort(w1) << 16);
+            b1 = (uint32_t)__bfloat16_as_ushort(w2) | ((uint32_t)__bfloat16_as_ushort(w3) << 16);
+          }
+          asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                       "{%0,%1,%2,%3};"
+                       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        }
       }
     }
   }
@@ -159,12 +187,13 @@ SIDE_MMA = dict(name="glm53_probe_expert_side", inputs=["x", "w", "scales", "bia
                 cuda=(SIDE, None))
 
 
-def side(x, w, scales, biases, idx):
+def side(x, w, scales, biases, idx, warps=WARPS, ahead=1, magic=0):
     routes, n, k = idx.shape[0], w.shape[1], x.shape[1]
     return gpu_kernel(backend="cuda", **SIDE_MMA)(
         inputs=[x, w, scales, biases, idx],
-        template=[("K", k), ("N", n), ("PER_ROW", routes // x.shape[0]), ("WARPS", WARPS)],
-        grid=(n // (8 * WARPS) * 32 * WARPS, routes, 1), threadgroup=(32 * WARPS, 1, 1),
+        template=[("K", k), ("N", n), ("PER_ROW", routes // x.shape[0]), ("WARPS", warps), ("AHEAD", ahead),
+                  ("MAGIC", magic)],
+        grid=(n // (8 * warps) * 32 * warps, routes, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(routes, n)], output_dtypes=[x.dtype])[0]
 
 
@@ -182,15 +211,20 @@ def loads(x, w, scales, biases, idx, mode):
 
 def probe(label, n, k, routes):
     pool, per_route = pool_of(n, k, routes)
-    arms = {"stock gather_qmm": stock, "expert_mma": expert_mma, "side by side, exact?": side,
-            "fragment": lambda *a: loads(*a, 0), "fragment + x": lambda *a: loads(*a, 1),
-            "coalesced": lambda *a: loads(*a, 2), "stream": lambda *a: loads(*a, 3)}
-    exact = all(mx.array_equal(side(*p), stock(*p)).item() for p in pool)
+    variants = {"side by side": side, "side, 2 ahead": lambda *a: side(*a, ahead=2),
+                "side, 3 ahead": lambda *a: side(*a, ahead=3), "side, magic": lambda *a: side(*a, magic=1),
+                "side, 2 ahead, magic": lambda *a: side(*a, ahead=2, magic=1),
+                "side, 8 warps": lambda *a: side(*a, warps=8), "side, 2 warps": lambda *a: side(*a, warps=2)}
+    arms = {"stock gather_qmm": stock, "expert_mma": expert_mma, **variants,
+            "fragment": lambda *a: loads(*a, 0), "coalesced": lambda *a: loads(*a, 2),
+            "stream": lambda *a: loads(*a, 3)}
+    exact = {name: all(mx.array_equal(fn(*p), stock(*p)).item() for p in pool) for name, fn in variants.items()}
     row = {"label": label, "n": n, "k": k, "routes": routes, "side_by_side_exact": exact,
            "arms": time_arms(arms, pool, routes, per_route)}
-    print(f"{label} {n}x{k}, {routes} routes: side by side bit-identical to gather_qmm: {exact}", flush=True)
+    print(f"{label} {n}x{k}, {routes} routes", flush=True)
     for name, a in row["arms"].items():
-        print(f"    {name:22s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s", flush=True)
+        verdict = f"  bit-identical {exact[name]}" if name in exact else ""
+        print(f"    {name:22s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s{verdict}", flush=True)
     return row
 
 
