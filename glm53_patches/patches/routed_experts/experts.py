@@ -64,6 +64,8 @@ def unsupported(module, x, indices, sorted_indices) -> Optional[str]:
         return "shape"
     if weight.shape[-2] % 128 or x.shape[-1] % 64:
         return "shape"  # qmm_sm80's tile; stock runs another kernel
+    if x.shape[-1] % kernel.STEP or x.shape[-1] > kernel.MAX_K:
+        return "shape"  # the kernel reads 4 groups a step and holds the input in shared memory
     batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
     if math.prod(batch) < MIN_ROUTES:
         return "routes"
