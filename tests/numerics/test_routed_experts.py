@@ -137,6 +137,9 @@ def test_coverage():
     assert experts.unsupported(switch_linear(k=wide), mx.zeros((1, 1, 1, 1, wide), mx.bfloat16), idx, False) == "shape"
     odd = mx.zeros((1, 4, 1, 1, 512), mx.bfloat16), mx.zeros((2, 4, 8), mx.uint32)
     assert experts.unsupported(switch_linear(), *odd, False) == "broadcast"
+    # more inputs than indices: the batch comes from the input, which the kernel's one index per route can't take
+    few = mx.zeros((1, 8, 1, 512), mx.bfloat16), mx.zeros((1,), mx.uint32)
+    assert experts.unsupported(switch_linear(), *few, False) == "broadcast"
 
 
 def test_off_cuda_a_block_is_counted_once_and_its_projections_not_offered(model, applied):
