@@ -4,8 +4,8 @@
 header, then ``__global__ void NAME(inputs, [x_shape,] outputs)`` whose body
 declares the template arguments and holds the source. This builds the same
 text for block_qmv (every width, 2/4/7 positions, 1 and 2 rows per warp),
-routed_experts (both expert shapes, an input per route or per 8, its launch
-and dequantization variants) and, as a control, exact_qmv's verified kernel,
+routed_experts (both expert shapes, an input per route or per 8, its launch,
+load-ahead and dequantization variants) and, as a control, exact_qmv's verified kernel,
 with a small stand-in for MLX's default header (``Shape``), and compiles it
 for sm_90 with nvcc against the cutlass headers of MLX's CUDA wheel.
 ``--ptxas`` prints registers and spills. s35: 89 kernels, rc 0.
@@ -64,11 +64,11 @@ def units():
                                       ("WARPS", block.WARPS), ("RPW", rpw)]))
     out.append((single.QMV, [("T", CUDA_TYPES["bf16"]), ("BITS", 6), ("GROUP", 64), ("K", 4096), ("AHEAD", 1),
                              ("WARPS", 4), ("RPW", 2)]))  # the control: passed CUDA verify (s28)
-    for (n, k), per_row, (warps, depth, tiles, magic, fill) in itertools.product(
+    for (n, k), per_row, (warps, ahead, magic) in itertools.product(
             ((2048, 4096), (4096, 2048)), (8, 1),
-            ((4, experts.DEPTH, 1, 0, 0), (2, 1, 2, 1, 1), (2, 8, 4, 1, 0), (8, 3, 1, 1, 0))):
+            ((experts.WARPS, experts.AHEAD, experts.MAGIC), (2, 1, 0), (8, 3, 0), (4, 3, 1))):
         out.append((experts.EXPERT_MMA, [("K", k), ("N", n), ("PER_ROW", per_row), ("WARPS", warps),
-                                         ("DEPTH", depth), ("TILES", tiles), ("MAGIC", magic), ("FILL", fill)]))
+                                         ("AHEAD", ahead), ("MAGIC", magic)]))
     return out
 
 

@@ -13,16 +13,14 @@ other 15 rows hold.
 
 The kernel (``glm53_patches/patches/routed_experts/kernel.py``, the
 routed_experts patch's; until s35's run it lived here) keeps that chain and
-changes only the work split: one warp per 8 output rows of a route, each lane
-loading its row's 32 bytes of a group. This probe reports, per shape and
-route count, whether every output of each variant is bit-identical to
-``mx.gather_qmm`` and the time of each (interleaved rounds over random top-8
-routes of 64 experts, weights larger than the L2): the default launch, 2
-warps, 1, 2 and 8 groups loaded ahead (``depth``; the default is 4), the
-bf16-pair dequantization (``magic``), 2 tiles of 8 rows per warp, and other
-routes' inputs in the MMA's other rows (``fill``). s35 timed 2 warps, magic and
-2 and 4 tiles before ``depth`` existed: all within 3% of the default at 8
-routes, 4 tiles slower.
+changes only the work split: one warp per 8 output rows of a route, its
+weights read 4 lanes side by side (since s36; first each lane read its own
+row's bytes). This probe reports, per shape and route count, whether every
+output of each setting is bit-identical to ``mx.gather_qmm`` and the time of
+each (interleaved rounds over random top-8 routes of 64 experts, weights
+larger than the L2): the default launch, 1 and 3 steps loaded ahead (the
+default is 2), the dequantization one value at a time (the default does bf16
+pairs), and 8 and 2 warps.
 
 Usage: python probe_expert_mma.py [--out FILE.json]   (CUDA only)
 """
@@ -76,28 +74,23 @@ def time_arms(arms, pool, routes, per_route):
 
 def probe(label, n, k, routes):
     pool, per_route = pool_of(n, k, routes)
-    arms = {"stock": stock, "mma": expert_mma,  # the default: 4 warps, 4 groups ahead, 1 tile
-            "1 ahead": lambda *a: expert_mma(*a, depth=1),
-            "2 ahead": lambda *a: expert_mma(*a, depth=2),
-            "8 ahead": lambda *a: expert_mma(*a, depth=8),
-            "8 ahead w2": lambda *a: expert_mma(*a, depth=8, warps=2),
-            "magic": lambda *a: expert_mma(*a, magic=1),
-            "magic 8 ahead": lambda *a: expert_mma(*a, magic=1, depth=8),
-            "magic 2 tiles 2 ahead": lambda *a: expert_mma(*a, magic=1, tiles=2, depth=2)}
+    arms = {"stock": stock, "kernel": expert_mma,  # the default: 4 warps, 2 steps ahead, bf16-pair dequantization
+            "1 ahead": lambda *a: expert_mma(*a, ahead=1),
+            "3 ahead": lambda *a: expert_mma(*a, ahead=3),
+            "one value at a time": lambda *a: expert_mma(*a, magic=0),
+            "8 warps": lambda *a: expert_mma(*a, warps=8),
+            "2 warps": lambda *a: expert_mma(*a, warps=2)}
     expected = [stock(*p) for p in pool]  # stock's outputs, computed once for every check
     mx.eval(expected)
     exact = {name: all(mx.array_equal(fn(*p), e).item() for p, e in zip(pool, expected))
              for name, fn in arms.items()}
-    exact["other rows filled"] = all(
-        mx.array_equal(expert_mma(*p, fill=1, magic=1, tiles=2), e).item() for p, e in zip(pool, expected))
     deviation = max(mx.max(mx.abs(expert_mma(*p).astype(mx.float32) - e.astype(mx.float32))).item()
                     for p, e in zip(pool, expected))
     row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact, "max_deviation": deviation,
            "arms": time_arms(arms, pool, routes, per_route)}
-    print(f"{label} {n}x{k}, {routes} routes: max deviation (mma) {deviation:g}", flush=True)
+    print(f"{label} {n}x{k}, {routes} routes: max deviation (kernel) {deviation:g}", flush=True)
     for name, a in row["arms"].items():
         print(f"    {name:22s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s  exact {exact[name]}", flush=True)
-    print(f"    {'other rows filled':22s} exact {exact['other rows filled']}", flush=True)
     return row
 
 

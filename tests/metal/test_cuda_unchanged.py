@@ -34,11 +34,11 @@ VERIFIED_S28 = {
 # Kernels as they passed `verify` on an H100 (sm_90 like the H200), recorded from that code the same way.
 # A change here needs that CUDA verify again.
 # - block_qmv: s34, 53 cases, code digest 119594fb9efd; again in s35 after the Metal twin, code digest a15995c7ce76.
-# - routed_experts: s36, 34 cases, code digest 8f0583f2a930 (its groups loaded 4 ahead; the text before that,
-#   launch digest 5ec35ab1e89d..., code digest 2a7e1988244f, passed 28 cases earlier in s36).
+# - routed_experts: the side-by-side kernel, s37, 26 cases, code digest 1c92c91bb6e8 (s36's kernel before it:
+#   34 cases, 8f0583f2a930, launch 049d2749752a...).
 VERIFIED_H100 = {
     "block_qmv": "fb3bc7ce590cb9ff3bee97cd28f3bcf2e90fb3f2bc6ab9633b07d85ee62a9b29",
-    "routed_experts": "049d2749752ad3ef12ff8b3bd7df11f32494fe2bab65c409ba0567f35cd05677",
+    "routed_experts": "e7752bbe06ed74ec91fd8d0c26ea66da55119fa17765036d6a71e0ddaa30b904",
 }
 
 

@@ -21,8 +21,9 @@ There is no GPU here, so:
   so the wrapper hands over each module's arrays, the routes in order and the
   right input row per route, and shapes the result as stock does.
 
-The tiny model here has a hidden size of 512, experts 128 wide and top-8 of
-16, served in bf16: the shapes qmm_sm80 (and so the kernel) takes.
+The tiny model here has a hidden size of 512, experts 256 wide and top-8 of
+16, served in bf16: the shapes qmm_sm80 and the kernel (K a multiple of 256)
+take.
 """
 
 import mlx.core as mx
@@ -55,7 +56,8 @@ def model():
     from glm53_patches.exactness import _served_dtype
     from glm53_patches.tiny_model import gpu_widths
 
-    config = {**gpu_widths(), "hidden_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 8}
+    config = {**gpu_widths(), "hidden_size": 512, "moe_intermediate_size": 256, "n_routed_experts": 16,
+              "num_experts_per_tok": 8}
     return _served_dtype(build_model(seed=2, quantize_bits=4, **config), mx.bfloat16).language_model
 
 
@@ -127,10 +129,17 @@ def test_coverage():
     assert experts.unsupported(switch_linear(group=128), x, idx, False) == "quantization"
     assert experts.unsupported(switch_linear(bias=True), x, idx, False) == "bias"
     assert experts.unsupported(switch_linear(n=192), x, idx, False) == "shape"  # qmm_sm80 wants N % 128 == 0
-    assert experts.unsupported(switch_linear(k=576), mx.zeros((1, 1, 1, 1, 576), mx.bfloat16), idx, False) is None
+    assert experts.unsupported(switch_linear(k=768), mx.zeros((1, 1, 1, 1, 768), mx.bfloat16), idx, False) is None
     assert experts.unsupported(switch_linear(), mx.zeros((1, 1, 1, 1, 256), mx.bfloat16), idx, False) == "shape"
+    # K a multiple of 64 (qmm_sm80 takes it) but not of the kernel's step of 256, or past its shared memory
+    assert experts.unsupported(switch_linear(k=576), mx.zeros((1, 1, 1, 1, 576), mx.bfloat16), idx, False) == "shape"
+    wide = kernel.MAX_K + kernel.STEP
+    assert experts.unsupported(switch_linear(k=wide), mx.zeros((1, 1, 1, 1, wide), mx.bfloat16), idx, False) == "shape"
     odd = mx.zeros((1, 4, 1, 1, 512), mx.bfloat16), mx.zeros((2, 4, 8), mx.uint32)
     assert experts.unsupported(switch_linear(), *odd, False) == "broadcast"
+    # more inputs than indices: the batch comes from the input, which the kernel's one index per route can't take
+    few = mx.zeros((1, 8, 1, 512), mx.bfloat16), mx.zeros((1,), mx.uint32)
+    assert experts.unsupported(switch_linear(), *few, False) == "broadcast"
 
 
 def test_off_cuda_a_block_is_counted_once_and_its_projections_not_offered(model, applied):
@@ -188,7 +197,7 @@ def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stoc
     kinds = {(routes, rows) for routes, rows, *_ in seen}
     assert {(8, 1), (8, 8), (16, 2), (16, 16)} <= kinds  # decode at batch 1 and 2: gate/up, then down
     assert {(8 * n, n) for n in range(2, 9)} <= kinds  # verify blocks of 2 to 8 positions: an input each
-    assert {(k, n) for *_, k, n in seen} == {(512, 128), (128, 512)}  # gate/up, down
+    assert {(k, n) for *_, k, n in seen} == {(512, 256), (256, 512)}  # gate/up, down
     hits, fallbacks = counts()
     assert hits["kernel"] == len(seen)
     assert set(fallbacks) == {"sorted"}  # the prompt's prefill: 24 x 8 routes, which stock sorts first

@@ -64,11 +64,13 @@ def unsupported(module, x, indices, sorted_indices) -> Optional[str]:
         return "shape"
     if weight.shape[-2] % 128 or x.shape[-1] % 64:
         return "shape"  # qmm_sm80's tile; stock runs another kernel
+    if x.shape[-1] % kernel.STEP or x.shape[-1] > kernel.MAX_K:
+        return "shape"  # the kernel reads 4 groups a step and holds the input in shared memory
     batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
     if math.prod(batch) < MIN_ROUTES:
         return "routes"
-    if routes_per_row(x.shape[:-2], batch) is None:
-        return "broadcast"
+    if tuple(indices.shape) != tuple(batch) or routes_per_row(x.shape[:-2], batch) is None:
+        return "broadcast"  # the kernel takes one index per route, and the input's rows in runs of routes
     return None
 
 
@@ -88,10 +90,9 @@ def project(module, x, indices, sorted_indices):
         stats.fallback(reason)
         return None
     stats.hit("kernel")
-    batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
     out = kernel.expert_mma(x.reshape(-1, x.shape[-1]), module["weight"], module["scales"], module["biases"],
                             indices.reshape(-1).astype(mx.uint32))
-    return out.reshape(*batch, 1, out.shape[-1])
+    return out.reshape(*indices.shape, 1, out.shape[-1])  # unsupported: the indices' shape is the batch
 
 
 def make_projection_call(original):

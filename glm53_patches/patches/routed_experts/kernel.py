@@ -17,125 +17,126 @@ split over K and each element belongs to one thread):
 
 This kernel keeps that chain for every element and changes only the work
 split and how the bytes arrive: a warp per 8 output rows of one route (the
-MMA's n8), each lane loading its row's 32 bytes of a 64-wide group, that
-group's scale and bias once, and the route's input in the MMA's row 0 (rows
-1-15 zero; nothing in an MMA mixes rows, which ``FILL`` lets verify show by
-putting other routes' inputs there). ``benchmarks/h200/probe_expert_mma.py``
-found it bit-identical to ``gather_qmm`` on an H100 (s35) and times it.
+MMA's n8), the route's input in the MMA's row 0 (rows 1-15 zero: nothing in
+an MMA mixes rows). The weights come 128 bytes of a row (4 groups) at a time,
+4 lanes side by side (lane t: bytes 16t and 64 + 16t of its row), with that
+row's 4 scales and 4 biases as one 8-byte load each, ``AHEAD`` such steps in
+flight; the warp hands them to the lanes that feed them to the MMA through
+shared memory. The input is laid out once per block so that a lane reads its
+8 words of a group as two loads. ``benchmarks/h200/probe_expert_loads.py``
+found this 1.2-1.3x faster than a lane loading its own row's bytes (s36), and
+bit-identical to ``gather_qmm``; ``benchmarks/h200/probe_expert_mma.py``
+times its settings.
 """
 
 from glm53_patches.kernels.build import gpu_kernel
 
 WARPS = 4  # warps per block (a launch shape: changes no bit)
-DEPTH = 4  # groups of 64 weights per row loaded ahead of the MMA chain (when they arrive changes no bit)
+AHEAD = 2  # steps of 4 groups loaded ahead of the MMA chain (when they arrive changes no bit)
+MAGIC = 1  # dequantize in bf16 pairs as qmm_sm80 does (the same single rounding per weight)
 BITS, GROUP = 4, 64  # what it covers: 4-bit affine, groups of 64 (qmm_sm80's BK = max(64, group))
+STEP, MAX_K = 256, 16384  # K: a multiple of a step (4 groups), and its input must fit the block's shared memory
 
 # Template constants: K, N, PER_ROW (consecutive routes per input row: every route, a position's top-k, or 1),
-# WARPS, DEPTH, TILES (tiles of 8 output rows per warp), MAGIC (dequantize in bf16 pairs as qmm_sm80 does), FILL.
+# WARPS, AHEAD, MAGIC.
 SOURCE = r"""
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;  // the MMA fragment's group and thread in group
-  const int r = blockIdx.y, routes = gridDim.y;
-  const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 8 * TILES;
+  const int lane = threadIdx.x & 31, warp_in_block = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int r = blockIdx.y;
+  const int n0 = (blockIdx.x * WARPS + warp_in_block) * 8;
+  constexpr int GROUPS = K / 64, STEPS = K / 256;  // a step is 4 groups: 128 bytes of a row
+  // the route's input, as xs[group][t]: the 8 words lane t's MMAs read in that group (chunk c: 2c and 2c + 1)
+  __shared__ uint4 xs[GROUPS * 4 * 2];
+  __shared__ uint4 rows[WARPS][8 * 9];  // a warp's step: 8 rows of 128 bytes, 16 bytes of padding each
+  const uint32_t* xr = reinterpret_cast<const uint32_t*>(x) + (size_t)(r / PER_ROW) * (K / 2);
+  uint32_t* xw = reinterpret_cast<uint32_t*>(xs);
+  for (int i = threadIdx.x; i < K / 2; i += blockDim.x) {
+    const int group = i / 32, tt = (i / 8) % 4, j = i % 8;  // j = 2c + half
+    xw[i] = xr[group * 32 + (j / 2) * 8 + tt + 4 * (j % 2)];
+  }
+  __syncthreads();
   if (n0 >= N) {
     return;
   }
-  const uint4* wr[TILES];  // a group's 32 bytes of a row are two uint4
-  const __nv_bfloat16* sr[TILES];
-  const __nv_bfloat16* br[TILES];
+  const size_t row = (size_t)idx[r] * N + n0 + g;
+  const uint4* wr = reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(w) + row * (K / 2));
+  const uint2* sr = reinterpret_cast<const uint2*>(scales + row * GROUPS);
+  const uint2* br = reinterpret_cast<const uint2*>(biases + row * GROUPS);
+  uint4* mine = rows[warp_in_block];
+  // AHEAD steps in flight: slot i holds row g's bytes 16t and 64 + 16t of a step, and its 4 scales and biases
+  uint4 ra[AHEAD], rb[AHEAD];
+  uint2 rs[AHEAD], rz[AHEAD];
 #pragma unroll
-  for (int j = 0; j < TILES; ++j) {
-    const size_t row = (size_t)idx[r] * N + n0 + 8 * j + g;  // B's column g is weight row n0 + 8j + g
-    wr[j] = reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(w) + row * (K / 2));
-    sr[j] = scales + row * (K / 64);
-    br[j] = biases + row * (K / 64);
-  }
-  // A's row g: the route's input in row 0; rows 1-15 zero, or (FILL) other routes' inputs
-  const bool real = g == 0 || FILL;
-  const int xrow = ((r + (FILL ? g : 0)) % routes) / PER_ROW;
-  const uint32_t* xr = reinterpret_cast<const uint32_t*>(x) + (size_t)xrow * (K / 2);
-  // DEPTH groups of weights, scales and biases in flight: each slot is refilled with the group DEPTH ahead
-  // as soon as it is read, so the MMA chain (which must stay in order) never waits on a single load
-  constexpr int GROUPS = K / 64;
-  uint4 ring[DEPTH][TILES][2];
-  __nv_bfloat16 ring_s[DEPTH][TILES], ring_z[DEPTH][TILES];
-#pragma unroll
-  for (int i = 0; i < DEPTH; ++i) {
-#pragma unroll
-    for (int j = 0; j < TILES; ++j) {
-      if (i < GROUPS) {
-        ring[i][j][0] = wr[j][2 * i];
-        ring[i][j][1] = wr[j][2 * i + 1];
-        ring_s[i][j] = sr[j][i];
-        ring_z[i][j] = br[j][i];
-      }
+  for (int i = 0; i < AHEAD; ++i) {
+    if (i < STEPS) {
+      ra[i] = wr[8 * i + t];
+      rb[i] = wr[8 * i + 4 + t];
+      rs[i] = sr[i];
+      rz[i] = br[i];
     }
   }
-  float d[TILES][4] = {};
+  float d[4] = {};
 #pragma unroll 1
-  for (int first = 0; first < GROUPS; first += DEPTH) {
+  for (int first = 0; first < STEPS; first += AHEAD) {
 #pragma unroll
-    for (int i = 0; i < DEPTH; ++i) {
-      const int group = first + i;
-      if (group >= GROUPS) {
+    for (int i = 0; i < AHEAD; ++i) {
+      const int step = first + i;
+      if (step >= STEPS) {
         break;
       }
-      uint32_t words[TILES][8];
-      __nv_bfloat16 s[TILES], z[TILES];
-#pragma unroll
-      for (int j = 0; j < TILES; ++j) {
-        const uint4 lo = ring[i][j][0], hi = ring[i][j][1];
-        words[j][0] = lo.x; words[j][1] = lo.y; words[j][2] = lo.z; words[j][3] = lo.w;
-        words[j][4] = hi.x; words[j][5] = hi.y; words[j][6] = hi.z; words[j][7] = hi.w;
-        s[j] = ring_s[i][j];
-        z[j] = ring_z[i][j];
-        if (group + DEPTH < GROUPS) {
-          ring[i][j][0] = wr[j][2 * (group + DEPTH)];
-          ring[i][j][1] = wr[j][2 * (group + DEPTH) + 1];
-          ring_s[i][j] = sr[j][group + DEPTH];
-          ring_z[i][j] = br[j][group + DEPTH];
-        }
+      __syncwarp();
+      mine[g * 9 + t] = ra[i];
+      mine[g * 9 + 4 + t] = rb[i];
+      const uint2 sc = rs[i], zc = rz[i];
+      __syncwarp();
+      if (step + AHEAD < STEPS) {
+        ra[i] = wr[8 * (step + AHEAD) + t];
+        rb[i] = wr[8 * (step + AHEAD) + 4 + t];
+        rs[i] = sr[step + AHEAD];
+        rz[i] = br[step + AHEAD];
       }
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {  // the group's 16-wide chunks, ascending
-        const int word = group * 32 + c * 8 + t;  // x[k] pairs: k = 64 group + 16 c + 2t, and + 8
-        const uint32_t a0 = real ? xr[word] : 0u, a2 = real ? xr[word + 4] : 0u;
-        const uint32_t a1 = FILL ? a0 : 0u, a3 = FILL ? a2 : 0u;  // rows g + 8
+      for (int q = 0; q < 4; ++q) {
+        const int group = 4 * step + q;
+        const uint4 lo = mine[g * 9 + 2 * q], hi = mine[g * 9 + 2 * q + 1];
+        const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        const uint32_t sw = q < 2 ? sc.x : sc.y, zw = q < 2 ? zc.x : zc.y;
+        const __nv_bfloat16 sg = __ushort_as_bfloat16((unsigned short)(q % 2 ? sw >> 16 : sw & 0xffff));
+        const __nv_bfloat16 zg = __ushort_as_bfloat16((unsigned short)(q % 2 ? zw >> 16 : zw & 0xffff));
+        const uint4 xa = xs[(group * 4 + t) * 2], xb = xs[(group * 4 + t) * 2 + 1];
+        const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-        for (int j = 0; j < TILES; ++j) {
-          // chunk c is bytes 8c .. 8c + 7: this lane's k = 2t, 2t + 1 (byte t) and 2t + 8, 2t + 9 (byte 4 + t)
-          const uint32_t q0 = (words[j][2 * c] >> (8 * t)) & 0xff, q1 = (words[j][2 * c + 1] >> (8 * t)) & 0xff;
+        for (int c = 0; c < 4; ++c) {
+          const uint32_t a0 = g == 0 ? xv[2 * c] : 0u, a2 = g == 0 ? xv[2 * c + 1] : 0u;
+          const uint32_t q0 = (words[2 * c] >> (8 * t)) & 0xff, q1 = (words[2 * c + 1] >> (8 * t)) & 0xff;
           uint32_t b0, b1;
-          if (MAGIC) {  // bf16 pairs 128 + q, minus 128 (exact), then one fma per value
+          if (MAGIC) {  // bf16 pairs 128 + q, minus 128 (exact), then one fma per value, as qmm_sm80 does
             const __nv_bfloat162 base = __floats2bfloat162_rn(128.f, 128.f);
-            const __nv_bfloat162 s2 = __bfloat162bfloat162(s[j]), z2 = __bfloat162bfloat162(z[j]);
+            const __nv_bfloat162 s2 = __bfloat162bfloat162(sg), z2 = __bfloat162bfloat162(zg);
             uint32_t p0 = 0x43004300u | (q0 & 15) | ((q0 >> 4) << 16), p1 = 0x43004300u | (q1 & 15) | ((q1 >> 4) << 16);
             __nv_bfloat162 v0 = __hfma2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&p0), base), s2, z2);
             __nv_bfloat162 v1 = __hfma2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&p1), base), s2, z2);
             b0 = *reinterpret_cast<uint32_t*>(&v0);
             b1 = *reinterpret_cast<uint32_t*>(&v1);
           } else {
-            const __nv_bfloat16 w0 = __hfma(__uint2bfloat16_rn(q0 & 15), s[j], z[j]);
-            const __nv_bfloat16 w1 = __hfma(__uint2bfloat16_rn(q0 >> 4), s[j], z[j]);
-            const __nv_bfloat16 w2 = __hfma(__uint2bfloat16_rn(q1 & 15), s[j], z[j]);
-            const __nv_bfloat16 w3 = __hfma(__uint2bfloat16_rn(q1 >> 4), s[j], z[j]);
+            const __nv_bfloat16 w0 = __hfma(__uint2bfloat16_rn(q0 & 15), sg, zg);
+            const __nv_bfloat16 w1 = __hfma(__uint2bfloat16_rn(q0 >> 4), sg, zg);
+            const __nv_bfloat16 w2 = __hfma(__uint2bfloat16_rn(q1 & 15), sg, zg);
+            const __nv_bfloat16 w3 = __hfma(__uint2bfloat16_rn(q1 >> 4), sg, zg);
             b0 = (uint32_t)__bfloat16_as_ushort(w0) | ((uint32_t)__bfloat16_as_ushort(w1) << 16);
             b1 = (uint32_t)__bfloat16_as_ushort(w2) | ((uint32_t)__bfloat16_as_ushort(w3) << 16);
           }
           asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                        "{%0,%1,%2,%3};"
-                       : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-                       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
         }
       }
     }
   }
-  if (g == 0) {  // D's row 0: columns 2t and 2t + 1 are output rows n0 + 8j + 2t, + 1
-#pragma unroll
-    for (int j = 0; j < TILES; ++j) {
-      out[(size_t)r * N + n0 + 8 * j + 2 * t] = __float2bfloat16_rn(d[j][0]);
-      out[(size_t)r * N + n0 + 8 * j + 2 * t + 1] = __float2bfloat16_rn(d[j][1]);
-    }
+  if (g == 0) {
+    out[(size_t)r * N + n0 + 2 * t] = __float2bfloat16_rn(d[0]);
+    out[(size_t)r * N + n0 + 2 * t + 1] = __float2bfloat16_rn(d[1]);
   }
 """
 
@@ -143,20 +144,20 @@ EXPERT_MMA = dict(name="glm53_expert_mma", inputs=["x", "w", "scales", "biases",
                   cuda=(SOURCE, None))
 
 
-def expert_mma(x, w, scales, biases, idx, *, warps=WARPS, depth=DEPTH, tiles=1, magic=0, fill=0):
+def expert_mma(x, w, scales, biases, idx, *, warps=WARPS, ahead=AHEAD, magic=MAGIC):
     """Route r of ``idx`` (``[R]`` uint32) through expert ``idx[r]`` of ``w`` (``[E, N, K / 8]``, 4-bit, group
-    64, bf16 ``scales`` and ``biases``): ``[R, N]``. ``x`` is ``[X, K]``, X dividing R: routes r of one row
-    ``r // (R / X)`` (one input for every route, one per position's top-k, or one per route). ``warps``,
-    ``depth``, ``tiles``, ``magic`` and ``fill`` are launch and probe settings (``SOURCE``)."""
+    64, bf16 ``scales`` and ``biases``; N a multiple of 8 x ``warps``, K of ``STEP``): ``[R, N]``. ``x`` is
+    ``[X, K]``, X dividing R: routes r of one row ``r // (R / X)`` (one input for every route, one per
+    position's top-k, or one per route). ``warps``, ``ahead`` and ``magic`` are launch and probe settings."""
     rows, k = x.shape
     routes, n = idx.shape[0], w.shape[1]
-    if routes % rows:
-        raise ValueError(f"expert_mma: {routes} routes over {rows} input rows")
+    if routes % rows or k % STEP or n % (8 * warps):
+        raise ValueError(f"expert_mma: {routes} routes over {rows} input rows, K {k}, N {n}, {warps} warps")
     return gpu_kernel(backend="cuda", **EXPERT_MMA)(
         inputs=[x, w, scales, biases, idx],
-        template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), ("DEPTH", depth), ("TILES", tiles), ("MAGIC", magic),
-                  ("FILL", fill)],
-        grid=(-(-n // (8 * tiles * warps)) * 32 * warps, routes, 1),
+        template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), ("AHEAD", ahead),
+                  ("MAGIC", magic)],
+        grid=(n // (8 * warps) * 32 * warps, routes, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(routes, n)],
         output_dtypes=[x.dtype],

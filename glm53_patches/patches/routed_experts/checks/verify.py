@@ -9,11 +9,11 @@ On CUDA:
    one input; 8 routes of their own inputs), at batch 2 (16 routes) and in
    verify blocks of 2 and 7 positions (16 and 56 routes, each position's
    input shared by its 8); then the kernel's other settings, which must change
-   nothing: 2 and 8 warps, 2 and 4 tiles of rows per warp, the bf16-pair
-   dequantization, and other routes' inputs in the MMA's other rows;
+   nothing: 2 and 8 warps, 1 and 3 steps loaded ahead, the dequantization
+   one value at a time;
 2. the tiny random-weight model, 4-bit, bf16, with hidden size 512, experts
-   128 wide and top-8 of 16, so that its routed experts take ``qmm_sm80``
-   and the kernel: greedy decode and speculative verify blocks at batch 1 and
+   256 wide and top-8 of 16, so that its routed experts take ``qmm_sm80``
+   and the kernel (K a multiple of 256 both ways): greedy decode and speculative verify blocks at batch 1 and
    2, every logit and the caches after each rollback, the kernel forced on.
    It fails if the kernel never ran.
 
@@ -43,8 +43,8 @@ CALLS = [
     ("verify block of 2", (1, 2, 1), (1, 2, 8)),
     ("verify block of 7", (1, 7, 1), (1, 7, 8)),
 ]
-SETTINGS = [dict(warps=2), dict(warps=8), dict(depth=1), dict(depth=3), dict(depth=8), dict(tiles=2),
-            dict(tiles=4, warps=2), dict(magic=1), dict(magic=1, tiles=2, depth=2), dict(fill=1)]  # depth 3: K / 64 uneven
+SETTINGS = [dict(warps=2), dict(warps=8), dict(ahead=1), dict(ahead=3), dict(magic=0),
+            dict(ahead=3, magic=0, warps=8)]  # 3 ahead: 16 and 8 steps are not multiples of 3
 
 
 def case(n, k, x_batch, routes_shape, seed):
@@ -117,7 +117,8 @@ def check_tiny_models(tally, on_gpu):
 
     # bf16 on a GPU (the kernel's dtype); elsewhere (stock both times) as the CPU runs it
     variants = [("4-bit", 4, mx.bfloat16 if on_gpu else None)]
-    config = {**tiny_model.gpu_widths(), "hidden_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 8}
+    config = {**tiny_model.gpu_widths(), "hidden_size": 512, "moe_intermediate_size": 256, "n_routed_experts": 16,
+              "num_experts_per_tok": 8}
     stock = registry.upstream(TARGET)
     compare_tiny_models(tally, QuantizedSwitchLinear, "__call__", stock, experts.make_projection_call(stock), marked,
                         steps=4, variants=variants, config=config, blocks=True)
