@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device session's plan for branch routed-experts-side: routed_experts' side-by-side kernel.
+# s37's device plan for routed_experts' side-by-side kernel (then on branch routed-experts-side, merged after it passed).
 # One foreground call per part on a warm machine; the caller tars /root/res to $OUT.
 # Part v: `verify routed_experts` (about 230 s from cold in s36; layer_decode's code digest does not move
 #   with the kernel, so its s36 record stands).
