@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # s37's device plan for routed_experts' side-by-side kernel (then on branch routed-experts-side, merged after it passed).
 # One foreground call per part on a warm machine; the caller tars /root/res to $OUT.
-# Part v: `verify routed_experts` (about 230 s from cold in s36; layer_decode's code digest does not move
+# Part v: `verify routed_experts` (more than 310 s cold on a slow machine in s37, 112 s warm; layer_decode's code digest does not move
 #   with the kernel, so its s36 record stands).
 # Part p: probe_expert_mma.py (the kernel's settings against gather_qmm, bit for bit and timed), then
 #   probe_expert_loads.py (the kernel beside its loads alone).
