@@ -5,7 +5,8 @@ header, then ``__global__ void NAME(inputs, [x_shape,] outputs)`` whose body
 declares the template arguments and holds the source. This builds the same
 text for block_qmv (every width, 2/4/7 positions, 1 and 2 rows per warp),
 routed_experts (both expert shapes, an input per route or per 8, its launch,
-load-ahead and dequantization variants) and, as a control, exact_qmv's verified kernel,
+load-ahead and dequantization variants), kda_verify_kernel (both head shapes, 1, 4 and 8 tokens, with and
+without history, fma and mask variants) and, as a control, exact_qmv's verified kernel,
 with a small stand-in for MLX's default header (``Shape``), and compiles it
 for sm_90 with nvcc against the cutlass headers of MLX's CUDA wheel.
 ``--ptxas`` prints registers and spills. s35: 89 kernels, rc 0.
@@ -25,6 +26,7 @@ import tempfile
 
 from glm53_patches.patches.block_qmv import kernel as block
 from glm53_patches.patches.exact_qmv import kernel as single
+from glm53_patches.patches.kda_verify_kernel import kernel as recurrence
 from glm53_patches.patches.routed_experts import kernel as experts
 
 STAND_IN = r"""
@@ -35,22 +37,28 @@ STAND_IN = r"""
 struct Shape { int32_t v[8]; __device__ int32_t operator[](int i) const { return v[i]; } };
 """
 CUDA_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+_HEADERS = set()  # headers already in the file
+RECURRENCE_TYPES = {"g": "float", "state": "float", "mask": "bool", "state_out": "float", "states": "float"}
 
 
-def unit(index, spec, template):
+def unit(index, spec, template, types=None):
     """One kernel as MLX builds it, its header's namespace made unique so that many fit one file: a pointer
-    per input (``w`` and ``idx`` uint32, the rest of type T, bf16 where T is not a template argument) and
-    the ``<input>_shape`` arguments its source names."""
+    per input (``w`` and ``idx`` uint32, the rest of type T, bf16 where T is not a template argument; or
+    as ``types`` names them) and the ``<input>_shape`` arguments its source names."""
     source, header = spec["cuda"]
     t = dict(template).get("T", CUDA_TYPES["bf16"])
+    types = types or {}
     name = f"{spec['name']}_{index}"
     params = []
     for arg in spec["inputs"]:
-        params.append(f"const {'uint32_t' if arg in ('w', 'idx') else t}* {arg}")
+        params.append(f"const {types.get(arg, 'uint32_t' if arg in ('w', 'idx') else t)}* {arg}")
         if f"{arg}_shape" in source:
             params.append(f"const __grid_constant__ Shape {arg}_shape")
-    params += [f"{t}* {out}" for out in spec["outputs"]]
-    text = (header or "") + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+    params += [f"{types.get(out, t)}* {out}" for out in spec["outputs"]]
+    shared = header and "glm53_qmv" not in header  # a header without a namespace to rename: once per file
+    text = "" if shared and header in _HEADERS else (header or "")
+    _HEADERS.add(header)
+    text += "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
     text += f"__global__ void {name}({', '.join(params)}) {{\n"
     text += "".join(f"  using {k} = {v};\n" if k == "T" else f"  constexpr int {k} = {v};\n" for k, v in template)
     text += source + "\n}\n}\n"
@@ -69,6 +77,10 @@ def units():
             ((experts.WARPS, experts.AHEAD, experts.MAGIC), (2, 1, 0), (8, 3, 0), (4, 3, 1))):
         out.append((experts.EXPERT_MMA, [("K", k), ("N", n), ("PER_ROW", per_row), ("WARPS", warps),
                                          ("AHEAD", ahead), ("MAGIC", magic)]))
+    for (heads, dim), tokens, steps, fma_state, has_mask in itertools.product(
+            ((64, 128), (4, 64)), (1, 4, 8), (0, 3), (0, 1), (0, 1)):
+        out.append((recurrence.KERNEL, [("H", heads), ("D", dim), ("TOKENS", tokens), ("STEPS", min(steps, tokens)),
+                                        ("FMA_STATE", fma_state), ("HAS_MASK", has_mask)], RECURRENCE_TYPES))
     return out
 
 

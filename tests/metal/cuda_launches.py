@@ -184,6 +184,18 @@ def _routed_experts():
             kernel.expert_mma(mx.zeros((7, k), mx.bfloat16), w, scales, scales, mx.zeros((56,), mx.uint32), **settings)
 
 
+def _kda_verify():
+    from glm53_patches.patches.kda_verify_kernel import kernel
+
+    for batch, length, heads, dim, steps in ((1, 4, 64, 128, 3), (3, 8, 4, 64, 7), (1, 1, 64, 128, None), (2, 2, 4, 64, 2)):
+        shape = (batch, length, heads, dim)
+        q = _normal(shape, 29, mx.bfloat16)
+        beta, state = _normal((batch, length, heads), 30, mx.bfloat16), _normal((batch, heads, dim, dim), 31)
+        for mask in (None, mx.ones((batch, length), mx.bool_)):
+            for fma_state in (0, 1):
+                kernel.delta_block(q, q, q, _normal(shape, 32), beta, state, mask, steps, fma_state=fma_state)
+
+
 PATCHES = {
     "router_select": _router,
     "expert_combine": _combine,
@@ -195,6 +207,7 @@ PATCHES = {
     "exact_qmv": _qmv,
     "block_qmv": _block_qmv,
     "routed_experts": _routed_experts,
+    "kda_verify_kernel": _kda_verify,
 }
 
 

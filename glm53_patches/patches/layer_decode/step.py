@@ -69,6 +69,7 @@ COMPOSES = {
     "exact_qmv": "traced: the decode projections' matvec",
     "block_qmv": "traced: a verify block's projections, each weight read once",
     "routed_experts": "traced in MoE layers: the routed experts' matvec",
+    "kda_verify_kernel": "traced in KDA layers: a verify block's recurrence",
     "indexer_fp32": "eager indexer",
 }
 # Model code a decode step never calls: a patch on it alone (vault_cache's load-time
@@ -81,6 +82,7 @@ _SWITCHES = {
     "router_select": ("glm53_patches.patches.router_select.gate", lambda m: m.switch.wanted),
     "expert_combine": ("glm53_patches.patches.expert_combine.combine", lambda m: m.switch.wanted),
     "exact_qmv": ("glm53_patches.patches.exact_qmv.linear", lambda m: m.switch.wanted),
+    "kda_verify_kernel": ("glm53_patches.patches.kda_verify_kernel.recurrence", lambda m: m.switch.wanted),
 }
 
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The next device session's plan for kda_verify_kernel (s37: written without a GPU; its launch pin NOT_YET_VERIFIED).
+# One foreground call per part on a warm machine; the caller tars /root/res to $OUT.
+# Part v: `verify kda_verify_kernel` (cases at 4x64 and 64x128; a cold start compiles one kernel per shape, token
+#   count and history length: give it 400 s or more).
+# Part b: verify blocks of 1, 3 and 4 at 4,096 tokens, D against D + kda_verify_kernel, kernels forced (its knob
+#   too), each arm bit for bit against stock. D as in s36/s37, with routed_experts.
+# If v passes: move its pin to VERIFIED_H100 in tests/metal/test_cuda_unchanged.py, and put the figures in its PATCH.md.
+# Usage: h200-s38.sh PART BUDGET
+PART=${1:-v}
+BUDGET=${2:-560}
+. "$(dirname "$0")/stages.sh"
+if [ "$PART" = v ]; then
+  VERIFY_LIMIT=$(( $(left) - 20 )) verify_all kda_verify_kernel
+else
+  export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
+    GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
+    GLM53_KDA_VERIFY_KERNEL_KERNEL=1
+  D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+routed_experts
+  stage verify $(( $(left) - 10 )) $B --layers 45 --experts 64 --sections verify --contexts 4096 \
+    --verify-blocks 1,3,4 --prefill '' --arms stock,$D,$D+kda_verify_kernel --rounds 5 --steps 12 --warmup 3 \
+    --check-steps 3 --budget-s $(( $(left) - 30 )) --no-png --out $RES/verify_blocks.json
+fi
+echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt

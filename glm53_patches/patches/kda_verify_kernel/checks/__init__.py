@@ -1,0 +1,1 @@
+"""kda_verify_kernel's checks: never imported at run time."""

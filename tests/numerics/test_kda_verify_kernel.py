@@ -1,0 +1,238 @@
+"""kda_verify_kernel on the CPU: the wrapper steps aside, the kernel's text runs on the host, and the wrapper
+hands the kernel exactly stock's recurrence.
+
+The patch is one CUDA kernel behind glm5_next's ``gated_delta_update``
+(``glm53-patches verify kda_verify_kernel`` runs it against stock on a GPU).
+There is no GPU here, so:
+
+* what the CPU user gets: stock, bit for bit, in decode and verify blocks,
+  alone and under compiled_kda_decode and layer_decode, each call counted;
+  revert; ``verify`` says it steps aside; the coverage rules;
+* the kernel's CUDA text compiled with g++ and run with every warp as host
+  threads (``checks/host_check.py``): against stock's ``gated_delta_ops``
+  on the CPU (y bit for bit here, the states to the CPU's other summation
+  order), a masked token keeping its state bit for bit, every output
+  written, and a block of L tokens being bit for bit L one-token runs;
+* with CUDA pretended and the kernel replaced by stock's ``gated_delta_ops``
+  on what it is handed: decode and verify blocks stay bit for bit through
+  the eager mixer, compiled_kda_decode and layer_decode, so the wrapper
+  hands over stock's gate, beta, state, mask and history length. A stand-in
+  that hands the history back in reverse makes that comparison fail.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_vlm.models.gated_delta import gated_delta_ops
+from mlx_vlm.models.glm5_next import language
+
+import glm53_patches
+from glm53_patches.patches import kda_verify_kernel
+from glm53_patches.patches.kda_verify_kernel import kernel, recurrence
+from glm53_patches.patches.kda_verify_kernel.checks import host_check
+from glm53_patches.tiny_model import build_model, greedy_logits, speculative_logits, speculative_outputs
+from test_exact_qmv import assert_bitwise  # the same bit-for-bit list comparison
+
+NAME = "kda_verify_kernel"
+PROMPT = mx.array([[(5 * i + 2) % 500 for i in range(24)]])
+
+
+def counts():
+    snapshot = kda_verify_kernel.PATCH.stats.snapshot()
+    return snapshot["hits"], snapshot["fallbacks"]
+
+
+def outputs(model):
+    """Greedy decode at batch 1 and 2, verify blocks at batch 1, and verify blocks at batch 2 with the second row
+    left-padded by 3 (masked tokens): every logit and the caches after the blocks."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.generate.ar import _make_cache
+
+    batch = mx.concatenate([PROMPT, PROMPT[:, ::-1]])
+    padded = mx.concatenate([PROMPT, mx.concatenate([mx.zeros((1, 3), PROMPT.dtype), PROMPT[:, 3:]], axis=1)])
+    logits, cache = speculative_logits(model, padded, 4, cache=_make_cache(model, [0, 3]))
+    return (greedy_logits(model, PROMPT, 4) + greedy_logits(model, batch, 3) + speculative_outputs(model, PROMPT)
+            + logits + [a for _, a in tree_flatten([c.state for c in cache]) if a is not None])
+
+
+@pytest.fixture(scope="module")
+def model():
+    from glm53_patches.exactness import _served_dtype
+
+    return _served_dtype(build_model(seed=3, quantize_bits=4), mx.bfloat16).language_model
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(model):
+    glm53_patches.disable()
+    return outputs(model)
+
+
+@pytest.fixture
+def applied():
+    glm53_patches.disable()
+    kda_verify_kernel.PATCH.stats.reset()
+    glm53_patches.enable([NAME], strict=True)
+    yield
+    glm53_patches.disable()
+
+
+def test_on_the_cpu_stock_runs_bit_for_bit(model, stock_outputs, applied):
+    assert_bitwise(stock_outputs, outputs(model), "decode and verify blocks, kda_verify_kernel applied on the CPU")
+    hits, fallbacks = counts()
+    assert not hits
+    assert set(fallbacks) == {"no CUDA"} and fallbacks["no CUDA"] >= 20  # KDA layers x steps and blocks
+
+
+def test_revert_restores_the_original_function():
+    glm53_patches.disable()
+    original = vars(language)["gated_delta_update"]
+    glm53_patches.enable([NAME])
+    try:
+        assert vars(language)["gated_delta_update"] is not original
+    finally:
+        glm53_patches.disable()
+    assert vars(language)["gated_delta_update"] is original
+
+
+def test_coverage():
+    q = mx.zeros((2, 4, 3, 64), mx.bfloat16)
+    b = mx.zeros((2, 4, 3), mx.bfloat16)
+    a_log, dt_bias, state = mx.zeros((3, 1)), mx.zeros((3, 64)), mx.zeros((2, 3, 64, 64))
+    ok = (q, q, q, q, b, a_log, dt_bias, state)
+    assert kernel.unsupported(*ok, None) is None
+    assert kernel.unsupported(*ok, mx.ones((2, 4), mx.bool_)) is None
+    assert kernel.unsupported(*ok, mx.ones((2, 4), mx.int32)) == "mask"
+    assert kernel.unsupported(*ok, mx.ones((2, 1, 4), mx.bool_)) == "mask"
+    f32 = q.astype(mx.float32)
+    assert kernel.unsupported(f32, f32, f32, f32, b.astype(mx.float32), a_log, dt_bias, state, None) == "dtype"
+    assert kernel.unsupported(*ok[:5], a_log.astype(mx.bfloat16), dt_bias, state, None) == "dtype"
+    assert kernel.unsupported(*ok[:7], state.astype(mx.bfloat16), None) == "dtype"
+    wide = mx.zeros((2, 4, 3, 256), mx.bfloat16)
+    assert kernel.unsupported(wide, wide, wide, wide, b, a_log, mx.zeros((3, 256)), mx.zeros((2, 3, 256, 256)),
+                              None) == "head dim"
+    scalar_gate = mx.zeros((2, 4, 3), mx.bfloat16)  # gated_delta's scalar gating: not KDA's
+    assert kernel.unsupported(q, q, q, scalar_gate, b, a_log, dt_bias, state, None) == "shape"
+    grouped = mx.zeros((2, 4, 1, 64), mx.bfloat16)  # fewer key heads than value heads: stock repeats them
+    assert kernel.unsupported(grouped, grouped, q, q, b, a_log, dt_bias, state, None) == "shape"
+
+
+def test_prefill_is_not_this_patchs_call(applied):
+    """A prompt's recurrence (more than 8 tokens, or no state yet) goes to stock uncounted."""
+    q, k, v, g, beta, state = host_check.inputs(1, 12, 2, 32, 0)
+    update = vars(language)["gated_delta_update"]
+    a, b = mx.zeros((1, 12, 2, 32), mx.bfloat16), mx.zeros((1, 12, 2), mx.bfloat16)
+    update(q, k, v, a, b, mx.zeros((2, 1)), mx.zeros((2, 32)), state=state, lower_bound=-5.0)
+    update(q[:, :4], k[:, :4], v[:, :4], a[:, :4], b[:, :4], mx.zeros((2, 1)), mx.zeros((2, 32)), lower_bound=-5.0)
+    assert counts() == ({}, {})
+
+
+# -- the kernel's text on the host ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch,length,heads,dim,steps,masked", [
+    (1, 4, 2, 32, 3, False),  # a verify block of 4: 3 states recorded
+    (2, 8, 1, 64, 8, True),  # every state recorded, a masked token in a row
+    (3, 2, 2, 32, None, True),  # no history, a row masked throughout
+    (1, 1, 3, 16, None, False),  # one token, a head narrower than the lanes
+])
+def test_host_run_agrees_with_stock(tmp_path, batch, length, heads, dim, steps, masked):
+    q, k, v, g, beta, state = host_check.inputs(batch, length, heads, dim, seed=length + dim)
+    mask = None
+    if masked:
+        rows = [[True] * length, [t % 3 != 1 for t in range(length)], [False] * length][:batch]
+        mask = mx.array(rows)
+    got = host_check.run(tmp_path, q, k, v, g, beta, state, mask, steps)
+    want = [np.array(a.astype(mx.float32)) for a in gated_delta_ops(q, k, v, g, beta, state, mask, steps)]
+    assert len(got) == len(want)
+    for name, a, b in zip(("y", "state", "states"), got, want):
+        assert a.shape == b.shape, name
+        assert not np.any(a == -7.0), f"{name}: a value the kernel never wrote"
+        assert np.abs(a - b).max() <= 1e-5 * max(np.abs(b).max(), 1.0), name  # the CPU's own summation order
+    if masked and batch == 3:  # row 2 masked at every token: its state is the one it came with, bit for bit
+        assert np.array_equal(got[1][2].view(np.uint32), np.array(state[2]).view(np.uint32))
+
+
+def test_a_block_is_the_one_token_kernel_run_token_by_token(tmp_path):
+    """As stock's gated_delta_ops is _gated_delta_step_ops token by token, so is the kernel: bit for bit."""
+    length = 5
+    q, k, v, g, beta, state = host_check.inputs(2, length, 2, 32, seed=7)
+    mask = mx.array([[True] * length, [True, False, True, True, False]])
+    y, final, states = host_check.run(tmp_path, q, k, v, g, beta, state, mask, length)
+    current = state
+    for t in range(length):
+        one = slice(t, t + 1)
+        y_t, current = host_check.run(tmp_path, q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], current,
+                                      mask[:, one])
+        assert np.array_equal(y[:, t], y_t[:, 0]), f"y at token {t}"
+        assert np.array_equal(states[:, t].view(np.uint32), current.view(np.uint32)), f"state after token {t}"
+        current = mx.array(current)
+    assert np.array_equal(final.view(np.uint32), states[:, -1].view(np.uint32))
+
+
+def test_fma_state_is_the_kernels_setting(tmp_path):
+    """FMA_STATE reaches the arithmetic: its two values round the update differently somewhere."""
+    q, k, v, g, beta, state = host_check.inputs(1, 4, 2, 64, seed=11)
+    fused = host_check.run(tmp_path, q, k, v, g, beta, state, None, 3, fma_state=1)
+    apart = host_check.run(tmp_path, q, k, v, g, beta, state, None, 3, fma_state=0)
+    assert not np.array_equal(fused[2].view(np.uint32), apart[2].view(np.uint32))
+
+
+# -- the wrapper, CUDA pretended -----------------------------------------------------------------
+
+
+def run_pretending(monkeypatch, model, names, stand_in=None):
+    """``outputs(model)`` with ``names`` applied, CUDA pretended and the kernel answered by ``stand_in``
+    (default: stock's gated_delta_ops on what the kernel is handed); also the calls it got."""
+    from glm53_patches import registry
+
+    seen = []
+
+    def stock_ops(q, k, v, g, beta, state, mask=None, state_steps=None):
+        seen.append((q.shape[1], state_steps, mask is not None))
+        return gated_delta_ops(q, k, v, g, beta, state, mask, state_steps)
+
+    monkeypatch.setattr(recurrence, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernel, "delta_block", stand_in or stock_ops)
+    for name in names:
+        registry.available()[name].stats.reset()
+    glm53_patches.enable(names, strict=True)
+    try:
+        with recurrence.switch.forcing(True):
+            return outputs(model), seen
+    finally:
+        glm53_patches.disable()
+
+
+@pytest.mark.parametrize("names", [[NAME], ["compiled_kda_decode", NAME], ["compiled_kda_decode", NAME,
+                                                                           "layer_decode"]])
+def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stock_outputs, names):
+    from glm53_patches import registry
+
+    actual, seen = run_pretending(monkeypatch, model, names)
+    assert_bitwise(stock_outputs, actual, f"decode and verify blocks, {'+'.join(names)}, the kernel answered by stock")
+    assert {length for length, *_ in seen} == set(range(1, 9))  # decode, and verify blocks of 2 to 8
+    assert any(steps for _, steps, _ in seen) and any(masked for *_, masked in seen)  # history; a padded batch
+    if "compiled_kda_decode" not in names:  # traced calls run once per trace, eager ones once per call
+        assert counts()[0]["kernel"] == len(seen)
+    if "layer_decode" in names:
+        assert registry.available()["layer_decode"].stats.snapshot()["hits"]
+
+
+def test_a_stand_in_that_records_the_history_in_reverse_is_caught(monkeypatch, model, stock_outputs):
+    """The comparison above can fail: rolled back to an accepted prefix, a block must find its states in order."""
+    def reversed_history(q, k, v, g, beta, state, mask=None, state_steps=None):
+        out = gated_delta_ops(q, k, v, g, beta, state, mask, state_steps)
+        return out if state_steps is None else (*out[:2], out[2][:, ::-1])
+
+    actual, _ = run_pretending(monkeypatch, model, [NAME], stand_in=reversed_history)
+    assert not all(np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+                   for a, b in zip(stock_outputs, actual))
+
+
+def test_verify_on_the_cpu_says_it_steps_aside():
+    from glm53_patches.patches.kda_verify_kernel.checks.verify import verify
+
+    result = verify()
+    assert result["exact"] and result["cases"] >= 4
+    assert "steps aside" in result["detail"]
