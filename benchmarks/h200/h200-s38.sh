@@ -2,7 +2,8 @@
 # The next device session's plan for kda_verify_kernel (s37: written without a GPU; its launch pin NOT_YET_VERIFIED).
 # One foreground call per part on a warm machine; the caller tars /root/res to $OUT.
 # Part v: `verify kda_verify_kernel` (cases at 4x64 and 64x128; a cold start compiles one kernel per shape, token
-#   count and history length: give it 400 s or more).
+#   count and history length: give it 400 s or more), beside `verify layer_decode`: s37 added kda_verify_kernel to
+#   its COMPOSES and _SWITCHES, which moved its code digest (6e6df59d217c, verified in s36 -> ac5fcc0940d0).
 # Part b: verify blocks of 1, 3 and 4 at 4,096 tokens, D against D + kda_verify_kernel, kernels forced (its knob
 #   too), each arm bit for bit against stock. D as in s36/s37, with routed_experts.
 # If v passes: move its pin to VERIFIED_H100 in tests/metal/test_cuda_unchanged.py, and put the figures in its PATCH.md.
@@ -11,7 +12,7 @@ PART=${1:-v}
 BUDGET=${2:-560}
 . "$(dirname "$0")/stages.sh"
 if [ "$PART" = v ]; then
-  VERIFY_LIMIT=$(( $(left) - 20 )) verify_all kda_verify_kernel
+  VERIFY_LIMIT=$(( $(left) - 20 )) verify_all kda_verify_kernel layer_decode
 else
   export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
     GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
