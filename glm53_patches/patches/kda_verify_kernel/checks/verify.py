@@ -58,9 +58,13 @@ def check_kernel(tally, backend):
             continue  # decode: one token per step, covered at both sizes
         name = f"{'verify blocks' if blocks else 'decode'} {dims[1]}x{dims[2]} bits={bits} pad={padding}"
         seed += 1
+
+        def compare():
+            with switch.forcing(True):
+                return check_case(stock, fast, mx.bfloat16, bits, padding, seed, dims, blocks=blocks)
+
         before = PATCH.stats.snapshot()["hits"].get("kernel", 0)
-        with switch.forcing(True):
-            found = check_case(stock, fast, mx.bfloat16, bits, padding, seed, dims, blocks=blocks)
+        found = compare()
         if PATCH.stats.snapshot()["hits"].get("kernel", 0) == before:
             tally.add(name, False, why="the kernel never ran")
         elif "control" in found:
@@ -68,8 +72,7 @@ def check_kernel(tally, backend):
         elif "patch" in found:
             previous, kernel.FMA_STATE = kernel.FMA_STATE, 1 - kernel.FMA_STATE
             try:
-                with switch.forcing(True):
-                    other = "patch" not in check_case(stock, fast, mx.bfloat16, bits, padding, seed, dims, blocks=blocks)
+                other = "patch" not in compare()
             finally:
                 kernel.FMA_STATE = previous
             tally.add(name, False, found["worst"], f"{found['patch']} (max |diff| {found['worst']:.3g}); "
