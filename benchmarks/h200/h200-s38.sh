@@ -15,21 +15,19 @@ BUDGET=${2:-560}
 . "$(dirname "$0")/stages.sh"
 if [ "$PART" = v ]; then
   VERIFY_LIMIT=$(( $(left) - 20 )) verify_all kda_verify_kernel layer_decode
-elif [ "$PART" = c ]; then
+else  # b and c: every kernel forced, kda_verify_kernel's too
   export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
     GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
     GLM53_KDA_VERIFY_KERNEL_KERNEL=1
   D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+routed_experts
-  stage contexts $(( $(left) - 10 )) $B --layers 45 --experts 64 --sections verify --contexts 256,4096 \
-    --verify-blocks 1,4 --prefill '' --arms stock,$D+kda_verify_kernel --rounds 5 --steps 12 --warmup 3 \
-    --check-steps 3 --budget-s $(( $(left) - 30 )) --no-png --out $RES/verify_contexts.json
-else
-  export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
-    GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
-    GLM53_KDA_VERIFY_KERNEL_KERNEL=1
-  D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+routed_experts
-  stage verify $(( $(left) - 10 )) $B --layers 45 --experts 64 --sections verify --contexts 4096 \
-    --verify-blocks 1,3,4 --prefill '' --arms stock,$D,$D+kda_verify_kernel --rounds 5 --steps 12 --warmup 3 \
-    --check-steps 3 --budget-s $(( $(left) - 30 )) --no-png --out $RES/verify_blocks.json
+  if [ "$PART" = c ]; then
+    stage contexts $(( $(left) - 10 )) $B --layers 45 --experts 64 --sections verify --contexts 256,4096 \
+      --verify-blocks 1,4 --prefill '' --arms stock,$D+kda_verify_kernel --rounds 5 --steps 12 --warmup 3 \
+      --check-steps 3 --budget-s $(( $(left) - 30 )) --no-png --out $RES/verify_contexts.json
+  else
+    stage verify $(( $(left) - 10 )) $B --layers 45 --experts 64 --sections verify --contexts 4096 \
+      --verify-blocks 1,3,4 --prefill '' --arms stock,$D,$D+kda_verify_kernel --rounds 5 --steps 12 --warmup 3 \
+      --check-steps 3 --budget-s $(( $(left) - 30 )) --no-png --out $RES/verify_blocks.json
+  fi
 fi
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
