@@ -20,12 +20,15 @@ output of each setting is bit-identical to ``mx.gather_qmm`` and the time of
 each (interleaved rounds over random top-8 routes of 64 experts, weights
 larger than the L2): the default launch, 1 and 3 steps loaded ahead (the
 default is 2), the dequantization one value at a time (the default does bf16
-pairs), and 8 and 2 warps.
+pairs), and 8 and 2 warps; with ``--baseline``, also another version of the
+kernel module (e.g. ``git show REV:glm53_patches/patches/routed_experts/kernel.py``),
+side by side with this one.
 
-Usage: python probe_expert_mma.py [--out FILE.json]   (CUDA only)
+Usage: python probe_expert_mma.py [--out FILE.json] [--baseline KERNEL.py]   (CUDA only)
 """
 
 import argparse
+import importlib.util
 import json
 import statistics
 
@@ -72,9 +75,19 @@ def time_arms(arms, pool, routes, per_route):
                    "us_rounds": [t * 1e6 for t in ts]} for name, ts in times.items()}
 
 
-def probe(label, n, k, routes):
+def load_baseline(path):
+    """``expert_mma`` of another version of the kernel module, its kernel renamed so both can be built."""
+    spec = importlib.util.spec_from_file_location("baseline_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.EXPERT_MMA["name"] += "_baseline"
+    return module.expert_mma
+
+
+def probe(label, n, k, routes, baseline=None):
     pool, per_route = pool_of(n, k, routes)
-    arms = {"stock": stock, "kernel": expert_mma,  # the default: 4 warps, 2 steps ahead, bf16-pair dequantization
+    arms = {"stock": stock, **({"baseline": baseline} if baseline else {}),
+            "kernel": expert_mma,  # the default: 4 warps, 2 steps ahead, bf16-pair dequantization
             "1 ahead": lambda *a: expert_mma(*a, ahead=1),
             "3 ahead": lambda *a: expert_mma(*a, ahead=3),
             "one value at a time": lambda *a: expert_mma(*a, magic=0),
@@ -98,10 +111,12 @@ def main(probe=probe, name="probe_expert_mma"):
     """Every shape at 8 and 32 routes, printed and written to --out (JSON)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=f"{name}.json")
+    parser.add_argument("--baseline", help="another version of routed_experts' kernel.py, timed beside this one")
     args = parser.parse_args()
     if mx.metal.is_available() or mx.default_device() != mx.gpu:
         raise SystemExit(f"{name}: needs MLX's CUDA backend")
-    rows = [probe(label, n, k, routes) for routes in (8, 32)
+    extra = {"baseline": load_baseline(args.baseline)} if args.baseline else {}
+    rows = [probe(label, n, k, routes, **extra) for routes in (8, 32)
             for label, n, k in (("gate/up", 2048, 4096), ("down", 4096, 2048))]
     with open(args.out, "w") as f:
         json.dump({"device": str(mx.default_device()), "rows": rows}, f, indent=1)
