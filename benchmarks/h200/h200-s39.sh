@@ -11,7 +11,7 @@
 # Part s: probe_expert_stage.py (the kernel's arithmetic with its weights copied by cp.async into a ring of slots).
 # Part v: `verify routed_experts` (s37's kernel: 229-244 s cold, 112 s warm; give a cold one 400 s).
 # Part b: decode and verify blocks of 1 and 4 at 4,096 tokens, stock vs A vs A + routed_experts, kernels forced
-#   on, A = every other decode patch (kda_verify_kernel included).
+#   on, A = s38's decode set without routed_experts (kda_verify_kernel included; exact_qmv is not in it).
 # Part c: as h200-s38.sh c (blocks of 1 and 4 at 256 and 4,096 tokens, for issue 16).
 # Usage: h200-s39.sh PART BUDGET
 PART=${1:-p}
