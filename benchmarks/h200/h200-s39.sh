@@ -13,6 +13,8 @@
 # Part b: decode and verify blocks of 1 and 4 at 4,096 tokens, stock vs A vs A + routed_experts, kernels forced
 #   on, A = s38's decode set without routed_experts (kda_verify_kernel included; exact_qmv is not in it).
 # Part c: as h200-s38.sh c (blocks of 1 and 4 at 256 and 4,096 tokens, for issue 16).
+# Part t (written after the runs, not run in s39): probe_expert_timeline.py, the patch's kernel with timestamps
+#   per warp (launch ramp, prologue, first and steady steps, tail, warps per SM); about a minute warm.
 # Usage: h200-s39.sh PART BUDGET
 PART=${1:-p}
 BUDGET=${2:-560}
@@ -23,6 +25,8 @@ fi
 . "$HERE/stages.sh"
 if [ "$PART" = v ]; then
   VERIFY_LIMIT=$(( $(left) - 20 )) verify_all routed_experts
+elif [ "$PART" = t ]; then
+  stage timeline $(( $(left) - 10 )) $PY "$HERE/probe_expert_timeline.py" --out $RES/probe_expert_timeline.json
 elif [ "$PART" = s ]; then
   stage stage $(( $(left) - 10 )) $PY "$HERE/probe_expert_stage.py" --out $RES/probe_expert_stage.json
 elif [ "$PART" = p ]; then
