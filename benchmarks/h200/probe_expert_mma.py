@@ -62,6 +62,12 @@ def pool_of(n, k, routes):
     return pool, (w.nbytes + s.nbytes + b.nbytes) / EXPERTS
 
 
+def exact_arms(arms, pool, expected):
+    """Per arm: whether its output is bit for bit ``expected`` (stock's) on every call of the pool."""
+    mx.eval(expected)
+    return {name: all(mx.array_equal(fn(*p), e).item() for p, e in zip(pool, expected)) for name, fn in arms.items()}
+
+
 def time_arms(arms, pool, routes, per_route):
     """Each arm's median seconds per call over ROUNDS interleaved rounds (after one untimed pass each), as
     us and GB/s of the routes' weights, with every round's us."""
@@ -94,9 +100,7 @@ def probe(label, n, k, routes, baseline=None):
             "8 warps": lambda *a: expert_mma(*a, warps=8),
             "2 warps": lambda *a: expert_mma(*a, warps=2)}
     expected = [stock(*p) for p in pool]  # stock's outputs, computed once for every check
-    mx.eval(expected)
-    exact = {name: all(mx.array_equal(fn(*p), e).item() for p, e in zip(pool, expected))
-             for name, fn in arms.items()}
+    exact = exact_arms(arms, pool, expected)
     deviation = max(mx.max(mx.abs(expert_mma(*p).astype(mx.float32) - e.astype(mx.float32))).item()
                     for p, e in zip(pool, expected))
     row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact, "max_deviation": deviation,

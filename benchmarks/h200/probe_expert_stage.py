@@ -22,7 +22,7 @@ kernel (routed_experts' PATCH.md).
 Usage: python probe_expert_stage.py [--out FILE.json]   (CUDA only)
 """
 
-from probe_expert_mma import main, pool_of, stock, time_arms  # the same experts, routes, timing and output
+from probe_expert_mma import exact_arms, main, pool_of, stock, time_arms  # the same experts, routes, timing, output
 
 import mlx.core as mx
 
@@ -159,10 +159,7 @@ def probe(label, n, k, routes):
         arms[f"staged {warps}w {sb}B x{stages}{' early' if early else ''}"] = (
             lambda *a, warps=warps, sb=sb, stages=stages, early=early: staged(*a, warps=warps, sb=sb, stages=stages,
                                                                              early=early))
-    expected = [stock(*p) for p in pool]
-    mx.eval(expected)
-    exact = {name: all(mx.array_equal(fn(*p), e).item() for p, e in zip(pool, expected))
-             for name, fn in arms.items()}
+    exact = exact_arms(arms, pool, [stock(*p) for p in pool])
     row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact,
            "arms": time_arms(arms, pool, routes, per_route)}
     print(f"{label} {n}x{k}, {routes} routes", flush=True)
