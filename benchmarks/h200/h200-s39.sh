@@ -15,6 +15,8 @@
 # Part c: as h200-s38.sh c (blocks of 1 and 4 at 256 and 4,096 tokens, for issue 16).
 # Part t (written after the runs, not run in s39): probe_expert_timeline.py, the patch's kernel with timestamps
 #   per warp (launch ramp, prologue, first and steady steps, tail, warps per SM); about a minute warm.
+# Part w (written after the runs, not run in s39): probe_expert_swap.py, the weights as the MMA's A operand and the
+#   input as B (half the MMAs), bit for bit against gather_qmm and timed beside the patch's kernel.
 # Usage: h200-s39.sh PART BUDGET
 PART=${1:-p}
 BUDGET=${2:-560}
@@ -25,6 +27,8 @@ fi
 . "$HERE/stages.sh"
 if [ "$PART" = v ]; then
   VERIFY_LIMIT=$(( $(left) - 20 )) verify_all routed_experts
+elif [ "$PART" = w ]; then
+  stage swap $(( $(left) - 10 )) $PY "$HERE/probe_expert_swap.py" --out $RES/probe_expert_swap.json
 elif [ "$PART" = t ]; then
   stage timeline $(( $(left) - 10 )) $PY "$HERE/probe_expert_timeline.py" --out $RES/probe_expert_timeline.json
 elif [ "$PART" = s ]; then
