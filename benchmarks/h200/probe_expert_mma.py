@@ -68,6 +68,17 @@ def exact_arms(arms, pool, expected):
     return {name: all(mx.array_equal(fn(*p), e).item() for p, e in zip(pool, expected)) for name, fn in arms.items()}
 
 
+def compare(label, n, k, routes, arms, pool, per_route):
+    """Each arm checked bit for bit against stock on the pool and timed (``time_arms``), printed: the row."""
+    exact = exact_arms(arms, pool, [stock(*p) for p in pool])
+    row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact,
+           "arms": time_arms(arms, pool, routes, per_route)}
+    print(f"{label} {n}x{k}, {routes} routes", flush=True)
+    for name, a in row["arms"].items():
+        print(f"    {name:24s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s  exact {exact[name]}", flush=True)
+    return row
+
+
 def time_arms(arms, pool, routes, per_route):
     """Each arm's median seconds per call over ROUNDS interleaved rounds (after one untimed pass each), as
     us and GB/s of the routes' weights, with every round's us."""

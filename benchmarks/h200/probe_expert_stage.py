@@ -22,9 +22,8 @@ kernel (routed_experts' PATCH.md).
 Usage: python probe_expert_stage.py [--out FILE.json]   (CUDA only)
 """
 
-from probe_expert_mma import exact_arms, main, pool_of, stock, time_arms  # the same experts, routes, timing, output
+from probe_expert_mma import compare, main, pool_of, stock  # the same experts, routes, timing, output
 
-import mlx.core as mx
 
 from glm53_patches.kernels.build import gpu_kernel
 from glm53_patches.patches.routed_experts.kernel import expert_mma
@@ -159,13 +158,7 @@ def probe(label, n, k, routes):
         arms[f"staged {warps}w {sb}B x{stages}{' early' if early else ''}"] = (
             lambda *a, warps=warps, sb=sb, stages=stages, early=early: staged(*a, warps=warps, sb=sb, stages=stages,
                                                                              early=early))
-    exact = exact_arms(arms, pool, [stock(*p) for p in pool])
-    row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact,
-           "arms": time_arms(arms, pool, routes, per_route)}
-    print(f"{label} {n}x{k}, {routes} routes", flush=True)
-    for name, a in row["arms"].items():
-        print(f"    {name:24s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s  exact {exact[name]}", flush=True)
-    return row
+    return compare(label, n, k, routes, arms, pool, per_route)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ yet run on a GPU.
 Usage: python probe_expert_swap.py [--out FILE.json]   (CUDA only)
 """
 
-import mlx.core as mx
-from probe_expert_mma import exact_arms, main, pool_of, stock, time_arms
+from probe_expert_mma import compare, main, pool_of, stock  # the same experts, routes, timing, output
 
 from glm53_patches.kernels.build import gpu_kernel
 from glm53_patches.patches.routed_experts.kernel import expert_mma
@@ -159,13 +158,7 @@ def probe(label, n, k, routes):
             "swapped, 8 warps": lambda *a: swapped(*a, warps=8),
             "swapped, 2 warps": lambda *a: swapped(*a, warps=2),
             "swapped, 1 ahead": lambda *a: swapped(*a, ahead=1)}
-    exact = exact_arms(arms, pool, [stock(*p) for p in pool])
-    row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact,
-           "arms": time_arms(arms, pool, routes, per_route)}
-    print(f"{label} {n}x{k}, {routes} routes", flush=True)
-    for name, a in row["arms"].items():
-        print(f"    {name:18s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s  exact {exact[name]}", flush=True)
-    return row
+    return compare(label, n, k, routes, arms, pool, per_route)
 
 
 if __name__ == "__main__":
