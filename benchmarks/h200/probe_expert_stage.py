@@ -24,7 +24,6 @@ Usage: python probe_expert_stage.py [--out FILE.json]   (CUDA only)
 
 from probe_expert_mma import compare, main, pool_of, stock  # the same experts, routes, timing, output
 
-
 from glm53_patches.kernels.build import gpu_kernel
 from glm53_patches.patches.routed_experts.kernel import expert_mma
 
