@@ -122,15 +122,20 @@ def probe(label, n, k, routes, baseline=None):
     return row
 
 
-def main(probe=probe, name="probe_expert_mma"):
+PROBE = probe
+
+
+def main(probe=PROBE, name="probe_expert_mma"):
     """Every shape at 8 and 32 routes, printed and written to --out (JSON)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=f"{name}.json")
-    parser.add_argument("--baseline", help="another version of routed_experts' kernel.py, timed beside this one")
+    if probe is PROBE:  # the probes that reuse main() have their own arms
+        parser.add_argument("--baseline", help="another version of routed_experts' kernel.py, timed beside it")
     args = parser.parse_args()
     if mx.metal.is_available() or mx.default_device() != mx.gpu:
         raise SystemExit(f"{name}: needs MLX's CUDA backend")
-    extra = {"baseline": load_baseline(args.baseline)} if args.baseline else {}
+    baseline = getattr(args, "baseline", None)
+    extra = {"baseline": load_baseline(baseline)} if baseline else {}
     rows = [probe(label, n, k, routes, **extra) for routes in (8, 32)
             for label, n, k in (("gate/up", 2048, 4096), ("down", 4096, 2048))]
     with open(args.out, "w") as f:
