@@ -35,6 +35,8 @@ import statistics
 import mlx.core as mx
 from micro_qmv import timed  # REPS calls over the pool, one evaluation: seconds per call
 
+from glm53_patches.kernels.build import gpu_kernel
+
 from glm53_patches.patches.routed_experts.kernel import expert_mma
 
 EXPERTS, GROUP, BITS = 64, 64, 4
@@ -68,15 +70,33 @@ def exact_arms(arms, pool, expected):
     return {name: all(mx.array_equal(fn(*p), e).item() for p, e in zip(pool, expected)) for name, fn in arms.items()}
 
 
-def compare(label, n, k, routes, arms, pool, per_route):
-    """Each arm checked bit for bit against stock on the pool and timed (``time_arms``), printed: the row."""
-    exact = exact_arms(arms, pool, [stock(*p) for p in pool])
+def compare(label, n, k, routes, arms, pool, per_route, expected=None):
+    """Each arm checked bit for bit against stock on the pool (``expected``: stock's outputs, where the caller
+    has them) and timed (``time_arms``), printed: the row."""
+    exact = exact_arms(arms, pool, expected or [stock(*p) for p in pool])
     row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact,
            "arms": time_arms(arms, pool, routes, per_route)}
     print(f"{label} {n}x{k}, {routes} routes", flush=True)
     for name, a in row["arms"].items():
         print(f"    {name:24s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s  exact {exact[name]}", flush=True)
     return row
+
+
+def launch(spec, x, w, scales, biases, idx, *, warps, settings, rows_per_warp=8, extra_outputs=()):
+    """A probe's kernel (``spec``, as ``gpu_kernel`` takes it) launched over the routes as the patch launches
+    its own: template K, N, PER_ROW and WARPS, then ``settings``; a warp per ``rows_per_warp`` output rows of a
+    route. Returns the ``[R, N]`` output, or all outputs where ``extra_outputs`` ((shape, dtype) each) adds some."""
+    rows, k = x.shape
+    routes, n = idx.shape[0], w.shape[1]
+    outputs = gpu_kernel(backend="cuda", **spec)(
+        inputs=[x, w, scales, biases, idx],
+        template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), *settings],
+        grid=(n // (rows_per_warp * warps) * 32 * warps, routes, 1),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(routes, n), *(shape for shape, _ in extra_outputs)],
+        output_dtypes=[x.dtype, *(dtype for _, dtype in extra_outputs)],
+    )
+    return outputs if extra_outputs else outputs[0]
 
 
 def time_arms(arms, pool, routes, per_route):
@@ -111,14 +131,10 @@ def probe(label, n, k, routes, baseline=None):
             "8 warps": lambda *a: expert_mma(*a, warps=8),
             "2 warps": lambda *a: expert_mma(*a, warps=2)}
     expected = [stock(*p) for p in pool]  # stock's outputs, computed once for every check
-    exact = exact_arms(arms, pool, expected)
-    deviation = max(mx.max(mx.abs(expert_mma(*p).astype(mx.float32) - e.astype(mx.float32))).item()
-                    for p, e in zip(pool, expected))
-    row = {"label": label, "n": n, "k": k, "routes": routes, "exact": exact, "max_deviation": deviation,
-           "arms": time_arms(arms, pool, routes, per_route)}
-    print(f"{label} {n}x{k}, {routes} routes: max deviation (kernel) {deviation:g}", flush=True)
-    for name, a in row["arms"].items():
-        print(f"    {name:22s} {a['us']:7.1f} us {a['gbps']:5.0f} GB/s  exact {exact[name]}", flush=True)
+    row = compare(label, n, k, routes, arms, pool, per_route, expected)
+    row["max_deviation"] = max(mx.max(mx.abs(expert_mma(*p).astype(mx.float32) - e.astype(mx.float32))).item()
+                               for p, e in zip(pool, expected))
+    print(f"    max deviation (kernel) {row['max_deviation']:g}", flush=True)
     return row
 
 

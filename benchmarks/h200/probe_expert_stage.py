@@ -22,9 +22,8 @@ kernel (routed_experts' PATCH.md).
 Usage: python probe_expert_stage.py [--out FILE.json]   (CUDA only)
 """
 
-from probe_expert_mma import compare, main, pool_of, stock  # the same experts, routes, timing, output
+from probe_expert_mma import compare, launch, main, pool_of, stock  # the same experts, routes, timing, output
 
-from glm53_patches.kernels.build import gpu_kernel
 from glm53_patches.patches.routed_experts.kernel import expert_mma
 
 # Template constants: K, N, PER_ROW (as the patch's kernel), WARPS, SB (bytes of a row per slot: 256 or 512),
@@ -136,18 +135,8 @@ SETTINGS = [(4, 256, 2, 1), (4, 256, 3, 0), (4, 256, 3, 1), (4, 256, 4, 1), (8, 
             (2, 512, 3, 1)]
 
 
-def staged(x, w, scales, biases, idx, *, warps, sb, stages, early):
-    rows, k = x.shape
-    routes, n = idx.shape[0], w.shape[1]
-    return gpu_kernel(backend="cuda", **STAGED)(
-        inputs=[x, w, scales, biases, idx],
-        template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), ("SB", sb), ("STAGES", stages),
-                  ("EARLY", early)],
-        grid=(n // (8 * warps) * 32 * warps, routes, 1),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(routes, n)],
-        output_dtypes=[x.dtype],
-    )[0]
+def staged(*operands, warps, sb, stages, early):
+    return launch(STAGED, *operands, warps=warps, settings=[("SB", sb), ("STAGES", stages), ("EARLY", early)])
 
 
 def probe(label, n, k, routes):

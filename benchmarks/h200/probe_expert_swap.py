@@ -20,9 +20,8 @@ yet run on a GPU.
 Usage: python probe_expert_swap.py [--out FILE.json]   (CUDA only)
 """
 
-from probe_expert_mma import compare, main, pool_of, stock  # the same experts, routes, timing, output
+from probe_expert_mma import compare, launch, main, pool_of, stock  # the same experts, routes, timing, output
 
-from glm53_patches.kernels.build import gpu_kernel
 from glm53_patches.patches.routed_experts.kernel import expert_mma
 
 # Template constants: K, N, PER_ROW, WARPS, AHEAD, MAGIC (unused: bf16 pairs), as the patch's kernel.
@@ -139,17 +138,9 @@ SWAP = dict(name="glm53_probe_expert_swap", inputs=["x", "w", "scales", "biases"
 ROWS_PER_WARP = 16
 
 
-def swapped(x, w, scales, biases, idx, warps=4, ahead=2):
-    rows, k = x.shape
-    routes, n = idx.shape[0], w.shape[1]
-    return gpu_kernel(backend="cuda", **SWAP)(
-        inputs=[x, w, scales, biases, idx],
-        template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), ("AHEAD", ahead), ("MAGIC", 1)],
-        grid=(n // (ROWS_PER_WARP * warps) * 32 * warps, routes, 1),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(routes, n)],
-        output_dtypes=[x.dtype],
-    )[0]
+def swapped(*operands, warps=4, ahead=2):
+    return launch(SWAP, *operands, warps=warps, settings=[("AHEAD", ahead), ("MAGIC", 1)],
+                  rows_per_warp=ROWS_PER_WARP)
 
 
 def probe(label, n, k, routes):

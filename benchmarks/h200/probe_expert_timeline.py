@@ -24,9 +24,8 @@ Usage: python probe_expert_timeline.py [--out FILE.json]   (CUDA only)
 import statistics
 
 import mlx.core as mx
-from probe_expert_mma import main, pool_of, stock, time_arms
+from probe_expert_mma import launch, main, pool_of, stock, time_arms
 
-from glm53_patches.kernels.build import gpu_kernel
 from glm53_patches.patches.routed_experts import kernel
 
 STAMPS = 8  # per warp: start and end (global timer, ns), SM, and clocks at start, prologue, step 0, half, end
@@ -87,18 +86,10 @@ TIMELINE = dict(name="glm53_probe_expert_timeline", inputs=["x", "w", "scales", 
 
 def timeline(x, w, scales, biases, idx, warps=kernel.WARPS):
     """The patch's default launch, instrumented: ``(out, stamps)``, stamps ``[warps in the grid, 8]`` int64."""
-    rows, k = x.shape
-    routes, n = idx.shape[0], w.shape[1]
-    blocks = n // (8 * warps)
-    return gpu_kernel(backend="cuda", **TIMELINE)(
-        inputs=[x, w, scales, biases, idx],
-        template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), ("AHEAD", kernel.AHEAD),
-                  ("MAGIC", kernel.MAGIC)],
-        grid=(blocks * 32 * warps, routes, 1),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(routes, n), (routes * blocks * warps, STAMPS)],
-        output_dtypes=[x.dtype, mx.int64],
-    )
+    grid_warps = idx.shape[0] * w.shape[1] // 8  # a warp per 8 output rows of a route
+    return launch(TIMELINE, x, w, scales, biases, idx, warps=warps,
+                  settings=[("AHEAD", kernel.AHEAD), ("MAGIC", kernel.MAGIC)],
+                  extra_outputs=[((grid_warps, STAMPS), mx.int64)])
 
 
 def summary(stamps, steps):
