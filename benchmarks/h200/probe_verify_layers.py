@@ -1,0 +1,152 @@
+"""Where a speculative verify block's time goes, layer by layer (issue 16).
+
+Runs blocks of L tokens (as the bench's verify section: a speculating cache, the forward, a
+commit of one token) through layer_decode's step, with every layer entry evaluated on its own:
+per layer, the ms spent building its graph and the ms its evaluation takes; for a DSA layer also
+its compiled front, the row gather and the compiled back (its "layer" build is then what they
+leave: the eager latent update and indexer).
+Per layer kind (kda+mlp, kda+moe, dsa+moe) the medians, at each L, and what a block of L adds to
+a one-token step. Evaluating each layer alone adds a synchronization per layer: the sum is above
+the block's own time (printed beside it, evaluated once).
+
+  python probe_verify_layers.py --arms A,A+routed_experts --blocks 1,4 --context 4096
+  python probe_verify_layers.py --small     # a CPU dry run at tiny widths
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import mlx.core as mx
+
+from glm53_patches import upstream_import
+from glm53_patches.bench import measure, synthetic
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--arms", default="all")
+    p.add_argument("--blocks", default="1,4")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--blocks-timed", type=int, default=12)
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args()
+    upstream_import.import_language()
+    from mlx_vlm.speculative.cache_state import start_speculative_cache
+
+    from glm53_patches.patches.layer_decode import step
+
+    preset, dtype = ("small", mx.float32) if args.small else ("real", mx.bfloat16)
+    config = synthetic.text_config(preset, layers=45, experts=args.experts)
+    model = synthetic.build(config, dtype=dtype, seed=0)
+    base = synthetic.context_caches(model, args.context, dtype)
+    arms = measure.Arms(args.arms, lambda *a: None)
+    kinds = [("kda+" if layer.is_linear else "dsa+") + ("moe" if hasattr(layer.mlp, "gate") else "mlp")
+             for layer in model.model.layers]
+    records = defaultdict(list)  # (arm, L, kind, piece) -> [(build ms, eval ms)]
+    current = {}
+
+    def timed(fn, piece):
+        def wrapper(*a):
+            t0 = time.perf_counter()
+            out = fn(*a)
+            t1 = time.perf_counter()
+            mx.eval(out)
+            mx.synchronize()
+            t2 = time.perf_counter()
+            # a DSA layer's own build is what its pieces leave: the eager latent update and indexer
+            build = (t1 - t0) * 1e3 - (current.pop("nested", 0.0) if piece == "layer" else 0.0)
+            if piece != "layer":
+                current["nested"] = current.get("nested", 0.0) + (t2 - t0) * 1e3
+            records[(*current["key"], piece)].append((build, (t2 - t1) * 1e3))
+            return out
+        return wrapper
+
+    original = {cls: cls.run for cls in (step.Kda, step.Dsa)}
+
+    def layer_run(cls):
+        def run(self, plan, layer, h, mask, cache, topk):
+            current["key"] = (current["arm"], current["L"], current["kind"][id(layer)])
+            if isinstance(self, step.Dsa):
+                saved = self.front, self.back, self.rows
+                self.front, self.back, self.rows = (timed(saved[0], "front"), timed(saved[1], "back"),
+                                                    timed(saved[2], "rows"))
+            try:
+                return timed(lambda: original[cls](self, plan, layer, h, mask, cache, topk), "layer")()
+            finally:
+                if isinstance(self, step.Dsa):
+                    self.front, self.back, self.rows = saved
+        return run
+
+    current["kind"] = {id(layer): kind for layer, kind in zip(model.model.layers, kinds)}
+    totals = defaultdict(list)
+    lengths = [int(x) for x in args.blocks.split(",")]
+    for label in arms.labels:
+        arms.activate(label)
+        for length in lengths:
+            cache = synthetic.clone_cache(base)
+            block = mx.random.randint(0, config.vocab_size, (1, length), key=mx.random.key(length))
+            state = {"tx": None}
+
+            def forward():
+                t0 = time.perf_counter()
+                if state["tx"] is not None:
+                    state["tx"].commit([1])
+                if length > 1:
+                    state["tx"] = start_speculative_cache(cache, length)
+                t1 = time.perf_counter()
+                logits = model(block, cache=cache).logits
+                out = [logits, mx.argmax(logits, axis=-1)]
+                t2 = time.perf_counter()
+                mx.eval(out, synthetic.cache_arrays(cache))
+                return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3
+
+            current.update(arm=label, L=length)
+            for _ in range(4):
+                forward()
+            for _ in range(args.blocks_timed):  # whole blocks, evaluated once
+                totals[(label, length)].append(forward())
+            for cls in original:
+                cls.run = layer_run(cls)
+            try:
+                for _ in range(args.blocks_timed):
+                    forward()
+            finally:
+                for cls, fn in original.items():
+                    cls.run = fn
+    arms.close()
+
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    count = {k: kinds.count(k) for k in set(kinds)}
+    out = {"context": args.context, "blocks": lengths, "arms": arms.labels, "whole": {}, "pieces": {}}
+    for (label, length), rows in totals.items():
+        commit, build, evaluate = (med([r[i] for r in rows]) for i in range(3))
+        out["whole"][f"{label}|{length}"] = dict(commit=commit, build=build, eval=evaluate,
+                                                 total=commit + build + evaluate)
+        print(f"{label} L={length}: whole block {commit + build + evaluate:.2f} ms (commit {commit:.2f}, "
+              f"build {build:.2f}, eval {evaluate:.2f})")
+    print(f"\nper layer, median ms (build / eval); x count per block")
+    for label in arms.labels:
+        for kind in sorted(count):
+            for piece in ("layer", "front", "rows", "back"):
+                cells = []
+                for length in lengths:
+                    rows = records.get((label, length, kind, piece))
+                    if not rows:
+                        continue
+                    b, e = med([r[0] for r in rows]), med([r[1] for r in rows])
+                    out["pieces"][f"{label}|{length}|{kind}|{piece}"] = dict(build=b, eval=e, n=count[kind])
+                    cells.append(f"L={length} {b:6.3f} / {e:6.3f}")
+                if cells:
+                    print(f"{label:<40.40} {kind:8} x{count[kind]:<3} {piece:6} " + "   ".join(cells))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
