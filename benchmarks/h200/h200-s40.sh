@@ -18,5 +18,5 @@ export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SEL
   GLM53_KDA_VERIFY_KERNEL_KERNEL=1
 D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
 stage layers $(( $(left) - 10 )) $PY "$HERE/probe_verify_layers.py" --arms $D --blocks 1,4 --context 4096 \
-  --out $RES/probe_verify_layers.json
+  --blocks-timed 10 --out $RES/probe_verify_layers.json
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt

@@ -6,7 +6,9 @@ per layer, the ms spent building its graph and the ms its evaluation takes; for 
 its compiled front, the row gather and the compiled back (its "layer" build is then what they
 leave: the eager latent update and indexer).
 Per layer kind (kda+mlp, kda+moe, dsa+moe) the medians, at each L, and what a block of L adds to
-a one-token step. Evaluating each layer alone adds a synchronization per layer: the sum is above
+a one-token step; for the whole block (evaluated once) the ms of the commit, the build, inside
+``async_eval`` (on CUDA: encoding the kernels) and waiting, and its primitives by kind. Evaluating
+each layer alone adds a synchronization per layer: the sum is above
 the block's own time (printed beside it, evaluated once).
 
   python probe_verify_layers.py --arms A,A+routed_experts --blocks 1,4 --context 4096
@@ -83,7 +85,7 @@ def main():
         return run
 
     current["kind"] = {id(layer): kind for layer, kind in zip(model.model.layers, kinds)}
-    totals = defaultdict(list)
+    totals, counts = defaultdict(list), {}
     lengths = [int(x) for x in args.blocks.split(",")]
     for label in arms.labels:
         arms.activate(label)
@@ -102,12 +104,27 @@ def main():
                 logits = model(block, cache=cache).logits
                 out = [logits, mx.argmax(logits, axis=-1)]
                 t2 = time.perf_counter()
+                mx.async_eval(out, synthetic.cache_arrays(cache))  # on CUDA: encodes every kernel, then returns
+                t3 = time.perf_counter()
                 mx.eval(out, synthetic.cache_arrays(cache))
-                return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3
+                return [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, time.perf_counter()))]
+
+            def primitives():
+                if state["tx"] is not None:
+                    state["tx"].commit([1])
+                    state["tx"] = None
+                if length > 1:
+                    state["tx"] = start_speculative_cache(cache, length)
+                logits = model(block, cache=cache).logits
+                arrays = [logits, mx.argmax(logits, axis=-1), *synthetic.cache_arrays(cache)]
+                counted = measure.count_primitives(arrays)
+                mx.eval(arrays)
+                return counted
 
             current.update(arm=label, L=length)
             for _ in range(4):
                 forward()
+            counts[(label, length)] = primitives()
             for _ in range(args.blocks_timed):  # whole blocks, evaluated once
                 totals[(label, length)].append(forward())
             for cls in original:
@@ -124,11 +141,19 @@ def main():
     count = {k: kinds.count(k) for k in set(kinds)}
     out = {"context": args.context, "blocks": lengths, "arms": arms.labels, "whole": {}, "pieces": {}}
     for (label, length), rows in totals.items():
-        commit, build, evaluate = (med([r[i] for r in rows]) for i in range(3))
-        out["whole"][f"{label}|{length}"] = dict(commit=commit, build=build, eval=evaluate,
-                                                 total=commit + build + evaluate)
-        print(f"{label} L={length}: whole block {commit + build + evaluate:.2f} ms (commit {commit:.2f}, "
-              f"build {build:.2f}, eval {evaluate:.2f})")
+        commit, build, encode, wait = (med([r[i] for r in rows]) for i in range(4))
+        total = med([sum(r) for r in rows])
+        c = counts[(label, length)]
+        out["whole"][f"{label}|{length}"] = dict(commit=commit, build=build, encode=encode, wait=wait, total=total,
+                                                 primitives=c)
+        print(f"{label} L={length}: whole block {total:.2f} ms (commit {commit:.2f}, build {build:.2f}, "
+              f"async_eval {encode:.2f}, wait {wait:.2f}); {c['total']} primitives, {c['not_views']} not views")
+    for label in arms.labels:
+        if len(lengths) > 1:
+            first, last = (counts[(label, n)]["by_primitive"] for n in (lengths[0], lengths[-1]))
+            grown = sorted(((last.get(k, 0) - first.get(k, 0), k) for k in set(first) | set(last)), reverse=True)
+            print(f"{label[:40]}: primitives L={lengths[-1]} minus L={lengths[0]}: "
+                  + ", ".join(f"{k} {d:+d}" for d, k in grown[:25] if d))
     print(f"\nper layer, median ms (build / eval); x count per block")
     for label in arms.labels:
         for kind in sorted(count):
