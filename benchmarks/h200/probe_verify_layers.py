@@ -7,9 +7,10 @@ its compiled front, the row gather and the compiled back (its "layer" build is t
 leave: the eager latent update and indexer).
 Per layer kind (kda+mlp, kda+moe, dsa+moe) the medians, at each L, and what a block of L adds to
 a one-token step; for the whole block (evaluated once) the ms of the commit, the build, inside
-``async_eval`` (on CUDA: encoding the kernels) and waiting, and its primitives by kind. Evaluating
-each layer alone adds a synchronization per layer: the sum is above
-the block's own time (printed beside it, evaluated once).
+``async_eval`` (on CUDA: encoding the kernels) and waiting, and its primitives by kind (stock
+evaluates a block's positions one by one while building it: its count is the last position's).
+Evaluating each layer alone adds a synchronization per layer: the sum is above the block's own time.
+Each whole block is printed as soon as it is measured, so a run cut short keeps what it measured.
 
   python probe_verify_layers.py --arms A,A+routed_experts --blocks 1,4 --context 4096
   python probe_verify_layers.py --small     # a CPU dry run at tiny widths
@@ -34,6 +35,7 @@ def main():
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--blocks-timed", type=int, default=12)
+    p.add_argument("--whole-only", action="store_true", help="no layer-by-layer pass")
     p.add_argument("--small", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
@@ -45,6 +47,7 @@ def main():
     preset, dtype = ("small", mx.float32) if args.small else ("real", mx.bfloat16)
     config = synthetic.text_config(preset, layers=45, experts=args.experts)
     model = synthetic.build(config, dtype=dtype, seed=0)
+    print(f"built the {preset} model", flush=True)
     base = synthetic.context_caches(model, args.context, dtype)
     arms = measure.Arms(args.arms, lambda *a: None)
     kinds = [("kda+" if layer.is_linear else "dsa+") + ("moe" if hasattr(layer.mlp, "gate") else "mlp")
@@ -86,7 +89,27 @@ def main():
 
     current["kind"] = {id(layer): kind for layer, kind in zip(model.model.layers, kinds)}
     totals, counts = defaultdict(list), {}
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    out = {"context": args.context, "blocks": [], "arms": arms.labels, "whole": {}, "pieces": {}}
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+
+    def whole(label, length):
+        rows = totals[(label, length)]
+        commit, build, encode, wait = (med([r[i] for r in rows]) for i in range(4))
+        total = med([sum(r) for r in rows])
+        c = counts[(label, length)]
+        out["whole"][f"{label}|{length}"] = dict(commit=commit, build=build, encode=encode, wait=wait, total=total,
+                                                 blocks=rows, primitives=c)
+        print(f"{label} L={length}: whole block {total:.2f} ms (commit {commit:.2f}, build {build:.2f}, "
+              f"async_eval {encode:.2f}, wait {wait:.2f}); {c['total']} primitives, {c['not_views']} not views",
+              flush=True)
+        save()
     lengths = [int(x) for x in args.blocks.split(",")]
+    out["blocks"] = lengths
     for label in arms.labels:
         arms.activate(label)
         for length in lengths:
@@ -127,6 +150,9 @@ def main():
             counts[(label, length)] = primitives()
             for _ in range(args.blocks_timed):  # whole blocks, evaluated once
                 totals[(label, length)].append(forward())
+            whole(label, length)  # printed now: a run cut short keeps what it measured
+            if args.whole_only:
+                continue
             for cls in original:
                 cls.run = layer_run(cls)
             try:
@@ -136,25 +162,14 @@ def main():
                 for cls, fn in original.items():
                     cls.run = fn
     arms.close()
-
-    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-    count = {k: kinds.count(k) for k in set(kinds)}
-    out = {"context": args.context, "blocks": lengths, "arms": arms.labels, "whole": {}, "pieces": {}}
-    for (label, length), rows in totals.items():
-        commit, build, encode, wait = (med([r[i] for r in rows]) for i in range(4))
-        total = med([sum(r) for r in rows])
-        c = counts[(label, length)]
-        out["whole"][f"{label}|{length}"] = dict(commit=commit, build=build, encode=encode, wait=wait, total=total,
-                                                 primitives=c)
-        print(f"{label} L={length}: whole block {total:.2f} ms (commit {commit:.2f}, build {build:.2f}, "
-              f"async_eval {encode:.2f}, wait {wait:.2f}); {c['total']} primitives, {c['not_views']} not views")
     for label in arms.labels:
         if len(lengths) > 1:
             first, last = (counts[(label, n)]["by_primitive"] for n in (lengths[0], lengths[-1]))
             grown = sorted(((last.get(k, 0) - first.get(k, 0), k) for k in set(first) | set(last)), reverse=True)
             print(f"{label[:40]}: primitives L={lengths[-1]} minus L={lengths[0]}: "
                   + ", ".join(f"{k} {d:+d}" for d, k in grown[:25] if d))
-    print(f"\nper layer, median ms (build / eval); x count per block")
+    count = {k: kinds.count(k) for k in set(kinds)}
+    print("\nper layer, median ms (build / eval); x count per block")
     for label in arms.labels:
         for kind in sorted(count):
             for piece in ("layer", "front", "rows", "back"):
@@ -168,9 +183,7 @@ def main():
                     cells.append(f"L={length} {b:6.3f} / {e:6.3f}")
                 if cells:
                     print(f"{label:<40.40} {kind:8} x{count[kind]:<3} {piece:6} " + "   ".join(cells))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    save()
 
 
 if __name__ == "__main__":
