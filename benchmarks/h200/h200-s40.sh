@@ -4,19 +4,32 @@
 # Part l: probe_verify_layers.py, a verify block of 1 and 4 tokens at 4,096 tokens of context, every layer evaluated
 #   alone (build and evaluation per layer kind, a DSA layer's pieces): where a 4-token block's extra time goes. Arm
 #   D = s39's decode set with routed_experts, kernels forced on.
+# Part v: `verify routed_experts` (the operands swapped: the weights as the MMA's A, the input as B).
+# Part vl: v in the background while l runs (l's timings then share the GPU with the verify: its primitive counts
+#   and its split of a block's time are what it is for there).
+# Part b: s39's part b (decode and verify blocks of 1 and 4 at 4,096 tokens, stock vs A vs A + routed_experts).
 # Part t: s39's part t (probe_expert_timeline.py); part w: s39's part w (probe_expert_swap.py).
 # Usage: h200-s40.sh PART BUDGET
 PART=${1:-l}
 BUDGET=${2:-560}
 HERE="$(dirname "$0")"
-if [ "$PART" = t ] || [ "$PART" = w ]; then
+if [ "$PART" = t ] || [ "$PART" = w ] || [ "$PART" = b ]; then
   exec bash "$HERE/h200-s39.sh" "$PART" "$BUDGET"
 fi
 . "$HERE/stages.sh"
+if [ "$PART" = v ] || [ "$PART" = vl ]; then
+  ( VERIFY_LIMIT=$(( $(left) - 20 )) verify_all routed_experts ) &
+  if [ "$PART" = v ]; then
+    wait
+    echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
+    exit 0
+  fi
+fi
 export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
   GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
   GLM53_KDA_VERIFY_KERNEL_KERNEL=1
 D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
-stage layers $(( $(left) - 10 )) $PY "$HERE/probe_verify_layers.py" --arms $D --blocks 1,4 --context 4096 \
-  --blocks-timed 10 --out $RES/probe_verify_layers.json
+stage layers $(( $(left) - 10 )) $PY "$HERE/probe_verify_layers.py" --arms ${ARMS:-$D} --blocks 1,4 --context 4096 \
+  --blocks-timed ${BLOCKS:-10} --out $RES/probe_verify_layers.json
+wait
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
