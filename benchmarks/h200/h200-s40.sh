@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # s40's device plan (issues 16 and 17). One foreground call per part on a warm machine; the caller tars /root/res
-# to $OUT.
+# to $OUT. Ran on two H100s (files benchmarks/h200/results/2026-12-06-h100-s40-m{1,2}-*): m1 l (12 blocks per
+# arm and length, before the probe split async_eval from wait), t and w; m2 l (4 blocks), which ran out of its
+# 175 s before printing anything. v, vl and b are for the next session, from branch swap's wheel.
 # Part l: probe_verify_layers.py, a verify block of 1 and 4 tokens at 4,096 tokens of context, every layer evaluated
 #   alone (build and evaluation per layer kind, a DSA layer's pieces): where a 4-token block's extra time goes. Arm
 #   D = s39's decode set with routed_experts, kernels forced on.
-# Part v: `verify routed_experts` (the operands swapped: the weights as the MMA's A, the input as B).
+# Part v: `verify routed_experts` (from branch swap: the operands swapped, the weights as the MMA's A).
 # Part vl: v in the background while l runs (l's timings then share the GPU with the verify: its primitive counts
 #   and its split of a block's time are what it is for there).
 # Part b: s39's part b (decode and verify blocks of 1 and 4 at 4,096 tokens, stock vs A vs A + routed_experts).

@@ -5,15 +5,14 @@ commit of one token) through layer_decode's step, with every layer entry evaluat
 per layer, the ms spent building its graph and the ms its evaluation takes; for a DSA layer also
 its compiled front, the row gather and the compiled back (its "layer" build is then what they
 leave: the eager latent update and indexer).
-Per layer kind (kda+mlp, kda+moe, dsa+moe) the medians, at each L, and what a block of L adds to
-a one-token step; for the whole block (evaluated once) the ms of the commit, the build, inside
+Per layer kind (kda+mlp, kda+moe, dsa+moe) the medians at each L; for the whole block (evaluated once) the ms of the commit, the build, inside
 ``async_eval`` (on CUDA: encoding the kernels) and waiting, and its primitives by kind (stock
 evaluates a block's positions one by one while building it: its count is the last position's).
 Evaluating each layer alone adds a synchronization per layer: the sum is above the block's own time.
 Each whole block is printed as soon as it is measured, so a run cut short keeps what it measured.
 
   python probe_verify_layers.py --arms A,A+routed_experts --blocks 1,4 --context 4096
-  python probe_verify_layers.py --small     # a CPU dry run at tiny widths
+  python probe_verify_layers.py --small --context 256 --whole-only   # a CPU dry run at tiny widths
 """
 
 import argparse
