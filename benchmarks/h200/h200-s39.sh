@@ -16,7 +16,8 @@
 # Part t (written after the runs, not run in s39): probe_expert_timeline.py, the patch's kernel with timestamps
 #   per warp (launch ramp, prologue, first and steady steps, tail, warps per SM); about a minute warm.
 # Part w (written after the runs, not run in s39): probe_expert_swap.py, the weights as the MMA's A operand and the
-#   input as B (half the MMAs), bit for bit against gather_qmm and timed beside the patch's kernel.
+#   input as B (half the MMAs), bit for bit against gather_qmm and timed beside the patch's kernel. Ran in s40; since
+#   s41 its text is the patch's kernel and the probe is gone (git show c5f574d:benchmarks/h200/probe_expert_swap.py).
 # Usage: h200-s39.sh PART BUDGET
 PART=${1:-p}
 BUDGET=${2:-560}

@@ -3,6 +3,9 @@
 # to $OUT. Ran on two H100s (files benchmarks/h200/results/2026-12-06-h100-s40-m{1,2}-*): m1 l (12 blocks per
 # arm and length, before the probe split async_eval from wait), t and w; m2 l (4 blocks), which ran out of its
 # 175 s before printing anything. v, vl and b are for the next session, from branch swap's wheel.
+# s41 ran, on one H100 (files benchmarks/h200/results/2026-12-06-h100-s41-*), from the swapped kernel's wheel: v
+# (passed, 250 s cold), h200-s39.sh p (19 s), b (229 s), then l with BLOCKS=6 and per-piece primitive counts
+# not yet in the probe (49 s).
 # Part l: probe_verify_layers.py, a verify block of 1 and 4 tokens at 4,096 tokens of context, every layer evaluated
 #   alone (build and evaluation per layer kind, a DSA layer's pieces): where a 4-token block's extra time goes. Arm
 #   D = s39's decode set with routed_experts, kernels forced on.

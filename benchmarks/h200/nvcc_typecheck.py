@@ -72,11 +72,10 @@ def units():
                                       ("WARPS", block.WARPS), ("RPW", rpw)]))
     out.append((single.QMV, [("T", CUDA_TYPES["bf16"]), ("BITS", 6), ("GROUP", 64), ("K", 4096), ("AHEAD", 1),
                              ("WARPS", 4), ("RPW", 2)]))  # the control: passed CUDA verify (s28)
-    for (n, k), per_row, (warps, ahead, magic) in itertools.product(
-            ((2048, 4096), (4096, 2048)), (8, 1),
-            ((experts.WARPS, experts.AHEAD, experts.MAGIC), (2, 1, 0), (8, 3, 0), (4, 3, 1))):
+    for (n, k), per_row, (warps, ahead) in itertools.product(
+            ((2048, 4096), (4096, 2048)), (8, 1), ((experts.WARPS, experts.AHEAD), (2, 2), (8, 3), (4, 3))):
         out.append((experts.EXPERT_MMA, [("K", k), ("N", n), ("PER_ROW", per_row), ("WARPS", warps),
-                                         ("AHEAD", ahead), ("MAGIC", magic)]))
+                                         ("AHEAD", ahead)]))
     for (heads, dim), tokens, steps, fma_state, has_mask in itertools.product(
             ((64, 128), (4, 64)), (1, 4, 8), (0, 3), (0, 1), (0, 1)):
         out.append((recurrence.KERNEL, [("H", heads), ("D", dim), ("TOKENS", tokens), ("STEPS", min(steps, tokens)),

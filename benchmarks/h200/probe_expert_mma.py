@@ -13,14 +13,14 @@ other 15 rows hold.
 
 The kernel (``glm53_patches/patches/routed_experts/kernel.py``, the
 routed_experts patch's; until s35's run it lived here) keeps that chain and
-changes only the work split: one warp per 8 output rows of a route, its
-weights read 4 lanes side by side (since s36; first each lane read its own
-row's bytes). This probe reports, per shape and route count, whether every
+changes only the work split: one warp per 16 output rows of a route, its
+weights the MMA's A operand (since s40; before, the input was A's row 0 and
+a warp took 8 rows), read 4 lanes side by side (since s36; first each lane
+read its own row's bytes). This probe reports, per shape and route count, whether every
 output of each setting is bit-identical to ``mx.gather_qmm`` and the time of
 each (interleaved rounds over random top-8 routes of 64 experts, weights
-larger than the L2): the default launch, 1 and 3 steps loaded ahead (the
-default is 2), the dequantization one value at a time (the default does bf16
-pairs), and 8 and 2 warps; with ``--baseline``, also another version of the
+larger than the L2): the default launch, 2 and 3 steps loaded ahead (the
+default is 1), and 8 and 2 warps; with ``--baseline``, also another version of the
 kernel module (e.g. ``git show REV:glm53_patches/patches/routed_experts/kernel.py``),
 side by side with this one.
 
@@ -124,10 +124,9 @@ def load_baseline(path):
 def probe(label, n, k, routes, baseline=None):
     pool, per_route = pool_of(n, k, routes)
     arms = {"stock": stock, **({"baseline": baseline} if baseline else {}),
-            "kernel": expert_mma,  # the default: 4 warps, 2 steps ahead, bf16-pair dequantization
-            "1 ahead": lambda *a: expert_mma(*a, ahead=1),
+            "kernel": expert_mma,  # the default: 4 warps, 1 step ahead
+            "2 ahead": lambda *a: expert_mma(*a, ahead=2),
             "3 ahead": lambda *a: expert_mma(*a, ahead=3),
-            "one value at a time": lambda *a: expert_mma(*a, magic=0),
             "8 warps": lambda *a: expert_mma(*a, warps=8),
             "2 warps": lambda *a: expert_mma(*a, warps=2)}
     expected = [stock(*p) for p in pool]  # stock's outputs, computed once for every check

@@ -47,17 +47,17 @@ def instrumented_source():
     """The patch's kernel text with the stamps put in at four places; fails loudly if the text moved."""
     source = kernel.SOURCE
     edits = [
-        ("  const int n0 = (blockIdx.x * WARPS + warp_in_block) * 8;\n",
-         "  const int n0 = (blockIdx.x * WARPS + warp_in_block) * 8;\n"
+        ("  const int n0 = (blockIdx.x * WARPS + warp_in_block) * 16;  // 16 output rows a warp: the MMA's M\n",
+         "  const int n0 = (blockIdx.x * WARPS + warp_in_block) * 16;\n"
          "  const unsigned long long t_start = glm53_globaltimer();\n"
          "  const long long c_start = clock64();\n"
          "  long long c_prologue = 0, c_first = 0, c_half = 0;\n"),
         ("  __syncthreads();\n", "  __syncthreads();\n  c_prologue = clock64();\n"),
-        ("        }\n      }\n    }\n  }\n  if (g == 0) {",
+        ("        }\n      }\n    }\n  }\n  if (t == 0) {",
          "        }\n      }\n"
          "      if (step == 0) c_first = clock64();\n"
          "      if (step == STEPS / 2) c_half = clock64();\n"
-         "    }\n  }\n  if (g == 0) {"),
+         "    }\n  }\n  if (t == 0) {"),
     ]
     for old, new in edits:
         if source.count(old) != 1:
@@ -86,9 +86,9 @@ TIMELINE = dict(name="glm53_probe_expert_timeline", inputs=["x", "w", "scales", 
 
 def timeline(x, w, scales, biases, idx, warps=kernel.WARPS):
     """The patch's default launch, instrumented: ``(out, stamps)``, stamps ``[warps in the grid, 8]`` int64."""
-    grid_warps = idx.shape[0] * w.shape[1] // 8  # a warp per 8 output rows of a route
-    return launch(TIMELINE, x, w, scales, biases, idx, warps=warps,
-                  settings=[("AHEAD", kernel.AHEAD), ("MAGIC", kernel.MAGIC)],
+    grid_warps = idx.shape[0] * w.shape[1] // kernel.ROWS  # a warp per 16 output rows of a route
+    return launch(TIMELINE, x, w, scales, biases, idx, warps=warps, settings=[("AHEAD", kernel.AHEAD)],
+                  rows_per_warp=kernel.ROWS,
                   extra_outputs=[((grid_warps, STAMPS), mx.int64)])
 
 

@@ -34,14 +34,15 @@ VERIFIED_S28 = {
 # Kernels as they passed `verify` on an H100 (sm_90 like the H200), recorded from that code the same way.
 # A change here needs that CUDA verify again.
 # - block_qmv: s34, 53 cases, code digest 119594fb9efd; again in s35 after the Metal twin, code digest a15995c7ce76.
-# - routed_experts: the side-by-side kernel, s37, 26 cases, code digest 1c92c91bb6e8 (s36's kernel before it:
-#   34 cases, 8f0583f2a930, launch 049d2749752a...).
+# - routed_experts: the weights as the MMA's A operand, s41, 24 cases, code digest d5bc2540797f (s37's
+#   side-by-side kernel before it: 26 cases, 1c92c91bb6e8, launch e7752bbe06ed...; s36's: 34 cases, 8f0583f2a930,
+#   launch 049d2749752a...).
 # - kda_verify_kernel: written in s37 without a GPU, verified in s38: 18 cases (one inconclusive: stock not
 #   repeatable at 8-bit, padded batch 3), code digest ba3e6b817777.
 VERIFIED_H100 = {
     "block_qmv": "fb3bc7ce590cb9ff3bee97cd28f3bcf2e90fb3f2bc6ab9633b07d85ee62a9b29",
     "kda_verify_kernel": "7135bc24e5d74989185ed0e05a6a2cfb62af005284b5327f533c31d833959726",
-    "routed_experts": "e7752bbe06ed74ec91fd8d0c26ea66da55119fa17765036d6a71e0ddaa30b904",
+    "routed_experts": "2fa1c13c93e8be44b7d987b76227605aec3861ce8aaf6ca47ef49e72dbf8558b",
 }
 
 

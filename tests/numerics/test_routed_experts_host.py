@@ -3,8 +3,8 @@
 There is no CUDA here, so only a GPU's ``verify`` says whether the kernel's
 bits are ``gather_qmm``'s. This checks, on the CPU, what does not depend on
 the hardware's arithmetic: which bytes, scales and biases each lane takes,
-how the 4-bit weights are unpacked into the MMA's operands, which input words
-feed row 0, which accumulator is written where, the routes and their input
+how the 4-bit weights are unpacked into the MMA's A operand, which input words
+feed B, which accumulator is written where, the routes and their input
 rows. ``glm53_patches.checks.host_emulation`` runs every warp as 32 threads;
 the one ``mma.sync.m16n8k16.row.col`` is replaced by a stand-in with PTX's
 fragment layout (each lane's registers gathered through a warp barrier, the
@@ -77,7 +77,7 @@ MMA = re.compile(r'asm volatile\("mma\.sync[^;]*;"\s*:\s*"\+f"\((.*?)\),\s*"\+f"
                  r'"\+f"\((.*?)\)\s*:\s*' + r',\s*'.join([r'"r"\((.*?)\)'] * 6) + r'\);', re.S)
 
 PROGRAM = r"""
-template <int K, int N, int PER_ROW, int WARPS, int AHEAD, int MAGIC>
+template <int K, int N, int PER_ROW, int WARPS, int AHEAD>
 void body(const bf16* x, const uint32_t* w, const bf16* scales, const bf16* biases, const uint32_t* idx, bf16* out) {
 %(source)s
 }
@@ -90,12 +90,11 @@ int main(int argc, char** argv) {
   auto biases = load<bf16>(argv[4], E * N * K / 64);
   auto idx = load<uint32_t>(argv[5], R);
   std::vector<bf16> out(R * N, bf16(-7.0f));  // poison: every output must be written
-  constexpr unsigned GX = N / (8 * WARPS);
+  constexpr unsigned GX = N / (%(ROWS)d * WARPS);
   run_blocks(GX * R, 32 * WARPS, [&] {
     const unsigned b = blockIdx.x;
     blockIdx = {b %% GX, b / GX, 0};
-    body<K, N, R / X, WARPS, %(AHEAD)d, %(MAGIC)d>(x.data(), w.data(), scales.data(), biases.data(), idx.data(),
-                                                  out.data());
+    body<K, N, R / X, WARPS, %(AHEAD)d>(x.data(), w.data(), scales.data(), biases.data(), idx.data(), out.data());
   });
   FILE* f = std::fopen(argv[6], "wb");
   std::fwrite(out.data(), 2, out.size(), f);
@@ -112,7 +111,7 @@ def host_source(source):
     return host
 
 
-def run(tmp, x, w, scales, biases, idx, source=None, warps=kernel.WARPS, ahead=kernel.AHEAD, magic=kernel.MAGIC):
+def run(tmp, x, w, scales, biases, idx, source=None, warps=kernel.WARPS, ahead=kernel.AHEAD):
     """The kernel's output ``[R, N]`` as float32, run on the host."""
     (rows, k), routes, (experts, n) = x.shape, idx.shape[0], w.shape[:2]
     paths = [tmp / f"in{i}" for i in range(5)] + [tmp / "out"]
@@ -120,7 +119,7 @@ def run(tmp, x, w, scales, biases, idx, source=None, warps=kernel.WARPS, ahead=k
         _to_file(array, path)
     program = PRELUDE + STAND_INS + PROGRAM % {
         "source": host_source(source or kernel.SOURCE), "E": experts, "R": routes, "X": rows, "K": k, "N": n,
-        "WARPS": warps, "AHEAD": ahead, "MAGIC": magic}
+        "WARPS": warps, "AHEAD": ahead, "ROWS": kernel.ROWS}
     build_and_run(tmp, program, paths, timeout=120)
     bits = np.fromfile(paths[-1], dtype=np.uint16)
     return np.array(mx.array(bits).view(mx.bfloat16).astype(mx.float32)).reshape(routes, n)
@@ -150,7 +149,7 @@ def error(actual, expected):
     (1, 8, {}),                            # a decode step: one input for the token's 8 routes
     (8, 8, {}),                            # an input per route
     (2, 16, {"warps": 2, "ahead": 3}),     # a verify block of 2: an input per position's 8
-    (1, 8, {"ahead": 1, "magic": 0}),      # one value at a time
+    (4, 32, {"ahead": 2}),                 # a verify block of 4
 ])
 def test_the_kernel_text_computes_each_routes_matvec(tmp_path, rows, routes, settings):
     args, expected = case(rows, routes, seed=rows + routes)
@@ -158,8 +157,8 @@ def test_the_kernel_text_computes_each_routes_matvec(tmp_path, rows, routes, set
 
 
 def test_an_operand_in_the_wrong_place_fails(tmp_path):
-    """The check can fail: the MMA's two input registers swapped (k 0-7 and 8-15 of each chunk crossed)."""
-    wrong = kernel.SOURCE.replace('"r"(a0), "r"(0u), "r"(a2), "r"(0u)', '"r"(a2), "r"(0u), "r"(a0), "r"(0u)')
+    """The check can fail: two of the MMA's weight registers swapped (k 0-7 and 8-15 of each chunk crossed)."""
+    wrong = kernel.SOURCE.replace('"r"(a0), "r"(a1), "r"(a2), "r"(a3)', '"r"(a2), "r"(a1), "r"(a0), "r"(a3)')
     assert wrong != kernel.SOURCE
     args, expected = case(1, 8, seed=3)
     assert error(run(tmp_path, *args, source=wrong), expected) > 0.2

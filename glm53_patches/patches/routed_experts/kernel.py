@@ -16,38 +16,43 @@ split over K and each element belongs to one thread):
 - the float sum rounded to bf16 (``cvt.rn``).
 
 This kernel keeps that chain for every element and changes only the work
-split and how the bytes arrive: a warp per 8 output rows of one route (the
-MMA's n8), the route's input in the MMA's row 0 (rows 1-15 zero: nothing in
-an MMA mixes rows). The weights come 128 bytes of a row (4 groups) at a time,
-4 lanes side by side (lane t: bytes 16t and 64 + 16t of its row), with that
-row's 4 scales and 4 biases as one 8-byte load each, ``AHEAD`` such steps in
-flight; the warp hands them to the lanes that feed them to the MMA through
-shared memory. The input is laid out once per block so that a lane reads its
-8 words of a group as two loads. ``benchmarks/h200/probe_expert_loads.py``
-found this 1.2-1.3x faster than a lane loading its own row's bytes (s36), and
-bit-identical to ``gather_qmm``; ``benchmarks/h200/probe_expert_mma.py``
-times its settings.
+split, which operand carries what, and how the bytes arrive. A warp takes
+16 output rows of one route, their dequantized weights as the MMA's A
+operand (rows g and g + 8 of the fragment) and the route's input as every
+column of B; column 0 of D holds the 16 outputs. Each element is still the
+same 16 products per chunk added by one MMA onto the float it carries, chunk
+after chunk, and a warp issues half the MMAs of the input-as-A layout
+(``benchmarks/h200/probe_expert_swap.py``, now in git history, found the swap bit-identical to
+``gather_qmm`` on an H100 and 1.17x faster, s40). The weights come 128 bytes
+of a row (4 groups) at a time, 4 lanes side by side (lane t: bytes 16t and
+64 + 16t of rows g and g + 8), with each row's 4 scales and 4 biases as one
+8-byte load each, ``AHEAD`` such steps in flight; the warp hands them to the
+lanes that feed them to the MMA through shared memory. The input is laid out
+once per block so that a lane reads its 8 words of a group as two loads.
+Each weight is dequantized as a bf16 pair ``128 + q`` minus 128 (exact),
+then one fma, as ``qmm_sm80`` does. s37's kernel (input as A, 8 rows a warp)
+and s36's are in git history.
 """
 
 from glm53_patches.kernels.build import gpu_kernel
 
 WARPS = 4  # warps per block (a launch shape: changes no bit)
-AHEAD = 2  # steps of 4 groups loaded ahead of the MMA chain (when they arrive changes no bit)
-MAGIC = 1  # dequantize in bf16 pairs as qmm_sm80 does (the same single rounding per weight)
+AHEAD = 1  # steps of 4 groups loaded ahead of the MMA chain (when they arrive changes no bit; 2 was slower, s40)
+ROWS = 16  # output rows per warp: the MMA's M
 BITS, GROUP = 4, 64  # what it covers: 4-bit affine, groups of 64 (qmm_sm80's BK = max(64, group))
 STEP, MAX_K = 256, 16384  # K: a multiple of a step (4 groups), and its input must fit the block's shared memory
 
 # Template constants: K, N, PER_ROW (consecutive routes per input row: every route, a position's top-k, or 1),
-# WARPS, AHEAD, MAGIC.
+# WARPS, AHEAD.
 SOURCE = r"""
   const int lane = threadIdx.x & 31, warp_in_block = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int r = blockIdx.y;
-  const int n0 = (blockIdx.x * WARPS + warp_in_block) * 8;
+  const int n0 = (blockIdx.x * WARPS + warp_in_block) * 16;  // 16 output rows a warp: the MMA's M
   constexpr int GROUPS = K / 64, STEPS = K / 256;  // a step is 4 groups: 128 bytes of a row
   // the route's input, as xs[group][t]: the 8 words lane t's MMAs read in that group (chunk c: 2c and 2c + 1)
   __shared__ uint4 xs[GROUPS * 4 * 2];
-  __shared__ uint4 rows[WARPS][8 * 9];  // a warp's step: 8 rows of 128 bytes, 16 bytes of padding each
+  __shared__ uint4 rows[WARPS][16 * 9];  // a warp's step: 16 rows of 128 bytes, 16 bytes of padding each
   const uint32_t* xr = reinterpret_cast<const uint32_t*>(x) + (size_t)(r / PER_ROW) * (K / 2);
   uint32_t* xw = reinterpret_cast<uint32_t*>(xs);
   for (int i = threadIdx.x; i < K / 2; i += blockDim.x) {
@@ -58,23 +63,42 @@ SOURCE = r"""
   if (n0 >= N) {
     return;
   }
-  const size_t row = (size_t)idx[r] * N + n0 + g;
+  const size_t row = (size_t)idx[r] * N + n0 + g;  // lane (g, t) loads rows g and g + 8
   const uint4* wr = reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(w) + row * (K / 2));
+  const uint4* wr8 = wr + 8 * (K / 32);
   const uint2* sr = reinterpret_cast<const uint2*>(scales + row * GROUPS);
   const uint2* br = reinterpret_cast<const uint2*>(biases + row * GROUPS);
+  const uint2* sr8 = sr + 8 * (GROUPS / 4);
+  const uint2* br8 = br + 8 * (GROUPS / 4);
   uint4* mine = rows[warp_in_block];
-  // AHEAD steps in flight: slot i holds row g's bytes 16t and 64 + 16t of a step, and its 4 scales and biases
-  uint4 ra[AHEAD], rb[AHEAD];
-  uint2 rs[AHEAD], rz[AHEAD];
+  // AHEAD steps in flight: slot i holds bytes 16t and 64 + 16t of rows g (ra, rb) and g + 8 (rc, rd) of a step,
+  // and their 4 scales and biases
+  uint4 ra[AHEAD], rb[AHEAD], rc[AHEAD], rd[AHEAD];
+  uint2 rs[AHEAD], rz[AHEAD], rs8[AHEAD], rz8[AHEAD];
 #pragma unroll
   for (int i = 0; i < AHEAD; ++i) {
     if (i < STEPS) {
       ra[i] = wr[8 * i + t];
       rb[i] = wr[8 * i + 4 + t];
+      rc[i] = wr8[8 * i + t];
+      rd[i] = wr8[8 * i + 4 + t];
       rs[i] = sr[i];
       rz[i] = br[i];
+      rs8[i] = sr8[i];
+      rz8[i] = br8[i];
     }
   }
+  // one bf16 pair of lane t's byte of a word: 128 + q, minus 128 (exact), then one fma per value
+  auto pair = [&](uint32_t word, __nv_bfloat162 s2, __nv_bfloat162 z2) {
+    const uint32_t q = (word >> (8 * t)) & 0xff;
+    uint32_t p = 0x43004300u | (q & 15) | ((q >> 4) << 16);
+    __nv_bfloat162 v = __hfma2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&p), __floats2bfloat162_rn(128.f, 128.f)),
+                               s2, z2);
+    return *reinterpret_cast<uint32_t*>(&v);
+  };
+  auto half = [](uint32_t word, int q) {
+    return __bfloat162bfloat162(__ushort_as_bfloat16((unsigned short)(q % 2 ? word >> 16 : word & 0xffff)));
+  };
   float d[4] = {};
 #pragma unroll 1
   for (int first = 0; first < STEPS; first += AHEAD) {
@@ -87,56 +111,47 @@ SOURCE = r"""
       __syncwarp();
       mine[g * 9 + t] = ra[i];
       mine[g * 9 + 4 + t] = rb[i];
-      const uint2 sc = rs[i], zc = rz[i];
+      mine[(g + 8) * 9 + t] = rc[i];
+      mine[(g + 8) * 9 + 4 + t] = rd[i];
+      const uint2 sc = rs[i], zc = rz[i], sc8 = rs8[i], zc8 = rz8[i];
       __syncwarp();
       if (step + AHEAD < STEPS) {
         ra[i] = wr[8 * (step + AHEAD) + t];
         rb[i] = wr[8 * (step + AHEAD) + 4 + t];
+        rc[i] = wr8[8 * (step + AHEAD) + t];
+        rd[i] = wr8[8 * (step + AHEAD) + 4 + t];
         rs[i] = sr[step + AHEAD];
         rz[i] = br[step + AHEAD];
+        rs8[i] = sr8[step + AHEAD];
+        rz8[i] = br8[step + AHEAD];
       }
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int group = 4 * step + q;
         const uint4 lo = mine[g * 9 + 2 * q], hi = mine[g * 9 + 2 * q + 1];
+        const uint4 lo8 = mine[(g + 8) * 9 + 2 * q], hi8 = mine[(g + 8) * 9 + 2 * q + 1];
         const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        const uint32_t sw = q < 2 ? sc.x : sc.y, zw = q < 2 ? zc.x : zc.y;
-        const __nv_bfloat16 sg = __ushort_as_bfloat16((unsigned short)(q % 2 ? sw >> 16 : sw & 0xffff));
-        const __nv_bfloat16 zg = __ushort_as_bfloat16((unsigned short)(q % 2 ? zw >> 16 : zw & 0xffff));
+        const uint32_t words8[8] = {lo8.x, lo8.y, lo8.z, lo8.w, hi8.x, hi8.y, hi8.z, hi8.w};
+        const __nv_bfloat162 s2 = half(q < 2 ? sc.x : sc.y, q), z2 = half(q < 2 ? zc.x : zc.y, q);
+        const __nv_bfloat162 s28 = half(q < 2 ? sc8.x : sc8.y, q), z28 = half(q < 2 ? zc8.x : zc8.y, q);
         const uint4 xa = xs[(group * 4 + t) * 2], xb = xs[(group * 4 + t) * 2 + 1];
         const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const uint32_t a0 = g == 0 ? xv[2 * c] : 0u, a2 = g == 0 ? xv[2 * c + 1] : 0u;
-          const uint32_t q0 = (words[2 * c] >> (8 * t)) & 0xff, q1 = (words[2 * c + 1] >> (8 * t)) & 0xff;
-          uint32_t b0, b1;
-          if (MAGIC) {  // bf16 pairs 128 + q, minus 128 (exact), then one fma per value, as qmm_sm80 does
-            const __nv_bfloat162 base = __floats2bfloat162_rn(128.f, 128.f);
-            const __nv_bfloat162 s2 = __bfloat162bfloat162(sg), z2 = __bfloat162bfloat162(zg);
-            uint32_t p0 = 0x43004300u | (q0 & 15) | ((q0 >> 4) << 16), p1 = 0x43004300u | (q1 & 15) | ((q1 >> 4) << 16);
-            __nv_bfloat162 v0 = __hfma2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&p0), base), s2, z2);
-            __nv_bfloat162 v1 = __hfma2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&p1), base), s2, z2);
-            b0 = *reinterpret_cast<uint32_t*>(&v0);
-            b1 = *reinterpret_cast<uint32_t*>(&v1);
-          } else {
-            const __nv_bfloat16 w0 = __hfma(__uint2bfloat16_rn(q0 & 15), sg, zg);
-            const __nv_bfloat16 w1 = __hfma(__uint2bfloat16_rn(q0 >> 4), sg, zg);
-            const __nv_bfloat16 w2 = __hfma(__uint2bfloat16_rn(q1 & 15), sg, zg);
-            const __nv_bfloat16 w3 = __hfma(__uint2bfloat16_rn(q1 >> 4), sg, zg);
-            b0 = (uint32_t)__bfloat16_as_ushort(w0) | ((uint32_t)__bfloat16_as_ushort(w1) << 16);
-            b1 = (uint32_t)__bfloat16_as_ushort(w2) | ((uint32_t)__bfloat16_as_ushort(w3) << 16);
-          }
+          // A: the weights of rows g (a0: k 2t, 2t + 1; a2: k + 8) and g + 8 (a1, a3); B: the input, every column
+          const uint32_t a0 = pair(words[2 * c], s2, z2), a2 = pair(words[2 * c + 1], s2, z2);
+          const uint32_t a1 = pair(words8[2 * c], s28, z28), a3 = pair(words8[2 * c + 1], s28, z28);
           asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                        "{%0,%1,%2,%3};"
                        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+                       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xv[2 * c]), "r"(xv[2 * c + 1]));
         }
       }
     }
   }
-  if (g == 0) {
-    out[(size_t)r * N + n0 + 2 * t] = __float2bfloat16_rn(d[0]);
-    out[(size_t)r * N + n0 + 2 * t + 1] = __float2bfloat16_rn(d[1]);
+  if (t == 0) {  // column 0 of D: rows g and g + 8
+    out[(size_t)r * N + n0 + g] = __float2bfloat16_rn(d[0]);
+    out[(size_t)r * N + n0 + g + 8] = __float2bfloat16_rn(d[2]);
   }
 """
 
@@ -144,20 +159,19 @@ EXPERT_MMA = dict(name="glm53_expert_mma", inputs=["x", "w", "scales", "biases",
                   cuda=(SOURCE, None))
 
 
-def expert_mma(x, w, scales, biases, idx, *, warps=WARPS, ahead=AHEAD, magic=MAGIC):
+def expert_mma(x, w, scales, biases, idx, *, warps=WARPS, ahead=AHEAD):
     """Route r of ``idx`` (``[R]`` uint32) through expert ``idx[r]`` of ``w`` (``[E, N, K / 8]``, 4-bit, group
-    64, bf16 ``scales`` and ``biases``; N a multiple of 8 x ``warps``, K of ``STEP``): ``[R, N]``. ``x`` is
+    64, bf16 ``scales`` and ``biases``; N a multiple of 16 x ``warps``, K of ``STEP``): ``[R, N]``. ``x`` is
     ``[X, K]``, X dividing R: routes r of one row ``r // (R / X)`` (one input for every route, one per
-    position's top-k, or one per route). ``warps``, ``ahead`` and ``magic`` are launch and probe settings."""
+    position's top-k, or one per route). ``warps`` and ``ahead`` are launch and probe settings."""
     rows, k = x.shape
     routes, n = idx.shape[0], w.shape[1]
-    if routes % rows or k % STEP or n % (8 * warps):
+    if routes % rows or k % STEP or n % (ROWS * warps):
         raise ValueError(f"expert_mma: {routes} routes over {rows} input rows, K {k}, N {n}, {warps} warps")
     return gpu_kernel(backend="cuda", **EXPERT_MMA)(
         inputs=[x, w, scales, biases, idx],
-        template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), ("AHEAD", ahead),
-                  ("MAGIC", magic)],
-        grid=(n // (8 * warps) * 32 * warps, routes, 1),
+        template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), ("AHEAD", ahead)],
+        grid=(n // (ROWS * warps) * 32 * warps, routes, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(routes, n)],
         output_dtypes=[x.dtype],

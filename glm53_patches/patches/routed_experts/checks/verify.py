@@ -9,8 +9,7 @@ On CUDA:
    one input; 8 routes of their own inputs), at batch 2 (16 routes) and in
    verify blocks of 2 and 7 positions (16 and 56 routes, each position's
    input shared by its 8); then the kernel's other settings, which must change
-   nothing: 2 and 8 warps, 1 and 3 steps loaded ahead, the dequantization
-   one value at a time;
+   nothing: 2 and 8 warps, 2 and 3 steps loaded ahead;
 2. the tiny random-weight model, 4-bit, bf16, with hidden size 512, experts
    256 wide and top-8 of 16, so that its routed experts take ``qmm_sm80``
    and the kernel (K a multiple of 256 both ways): greedy decode and speculative verify blocks at batch 1 and
@@ -43,8 +42,8 @@ CALLS = [
     ("verify block of 2", (1, 2, 1), (1, 2, 8)),
     ("verify block of 7", (1, 7, 1), (1, 7, 8)),
 ]
-SETTINGS = [dict(warps=2), dict(warps=8), dict(ahead=1), dict(ahead=3), dict(magic=0),
-            dict(ahead=3, magic=0, warps=8)]  # 3 ahead: 16 and 8 steps are not multiples of 3
+SETTINGS = [dict(warps=2), dict(warps=8), dict(ahead=2), dict(ahead=3),
+            dict(ahead=3, warps=8)]  # 3 ahead: 16 and 8 steps are not multiples of 3
 
 
 def case(n, k, x_batch, routes_shape, seed):
