@@ -27,6 +27,15 @@ from glm53_patches import upstream_import
 from glm53_patches.bench import measure, synthetic
 
 
+def _arrays(value):
+    """The arrays in a piece's output (nested tuples and lists)."""
+    if isinstance(value, mx.array):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [a for v in value for a in _arrays(v)]
+    return []
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--arms", default="all")
@@ -52,6 +61,7 @@ def main():
     kinds = [("kda+" if layer.is_linear else "dsa+") + ("moe" if hasattr(layer.mlp, "gate") else "mlp")
              for layer in model.model.layers]
     records = defaultdict(list)  # (arm, L, kind, piece) -> [(build ms, eval ms)]
+    piece_counts = {}  # (arm, L, kind, piece) -> primitives by kind in the graph the piece leaves to evaluate
     current = {}
 
     def timed(fn, piece):
@@ -59,6 +69,9 @@ def main():
             t0 = time.perf_counter()
             out = fn(*a)
             t1 = time.perf_counter()
+            key = (*current["key"], piece)
+            if key not in piece_counts:  # once per arm, length, kind and piece: what its graph holds
+                piece_counts[key] = measure.count_primitives([a for a in _arrays(out)])["by_primitive"]
             mx.eval(out)
             mx.synchronize()
             t2 = time.perf_counter()
@@ -184,6 +197,13 @@ def main():
                     cells.append(f"L={length} {b:6.3f} / {e:6.3f}")
                 if cells:
                     print(f"{label:<40.40} {kind:8} x{count[kind]:<3} {piece:6} " + "   ".join(cells))
+                if len(lengths) > 1 and (label, lengths[-1], kind, piece) in piece_counts:
+                    first, last = (piece_counts.get((label, n, kind, piece), {}) for n in (lengths[0], lengths[-1]))
+                    grown = sorted(((last.get(k, 0) - first.get(k, 0), k) for k in set(first) | set(last)),
+                                   reverse=True)
+                    out["pieces"][f"{label}|counts|{kind}|{piece}"] = {"first": first, "last": last}
+                    print(f"{'':40} {'':13} {piece:6} primitives L={lengths[-1]} minus L={lengths[0]}: "
+                          + ", ".join(f"{k} {d:+d}" for d, k in grown[:14] if d))
     save()
 
 
