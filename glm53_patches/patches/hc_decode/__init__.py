@@ -42,8 +42,10 @@ PATCH = Patch(
         "mlx_vlm.models.fast_ops:exact_hc_normalized_norm",
         "mlx_vlm.models.fast_ops:exact_hc_expand",
         "mlx_vlm.models.switch_layers:MoE.__call__",
+        # a CUDA block's mix matmuls as one batched gemv (kernels/rowwise.py)
+        "mlx_vlm.models.linear:tokenwise",
     ),
-    uses=("glm53_patches.kernels.hc_sinkhorn", "glm53_patches.kernels.build"),
+    uses=("glm53_patches.kernels.hc_sinkhorn", "glm53_patches.kernels.build", "glm53_patches.kernels.rowwise"),
     numerics="exact",
     # The CUDA and Metal kernels run only where `glm53-patches verify` passed
     # (or with GLM53_HC_DECODE_KERNEL=1); the compiled path runs elsewhere.

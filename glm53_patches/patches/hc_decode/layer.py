@@ -47,7 +47,7 @@ from mlx_vlm.models.switch_layers import MoE
 
 from glm53_patches import config, verify_records
 from glm53_patches.log import once
-from glm53_patches.kernels import hc_sinkhorn
+from glm53_patches.kernels import hc_sinkhorn, rowwise
 
 from . import PATCH
 
@@ -145,11 +145,22 @@ def _stock_collapse(hc, x):
     return hc(x)
 
 
+_STOCK_MIX = _hc.HyperConnection._mix
+
+
+def mix(hc, z):
+    """``hc._mix(z)``; for a CUDA block at batch 1, its per-position matmuls (``tokenwise``) as one
+    launch with each position's bits (``kernels/rowwise.py``)."""
+    if rowwise.applies(z) and type(hc)._mix is _STOCK_MIX:
+        return rowwise.matvecs(z, hc.fn)
+    return hc._mix(z)
+
+
 def _kernel_collapse(hc, x):
     """``HyperConnection.__call__`` with the Sinkhorn collapse as one kernel launch."""
     y = x.astype(mx.float32)
     z = mx.fast.rms_norm(y.flatten(-2), None, hc.norm_eps)
-    mixes = hc._mix(z)
+    mixes = mix(hc, z)
     collapsed, post, comb = hc_sinkhorn.hc_sinkhorn_collapse(
         x, mixes, hc.scale, hc.base, hc.hc_mult, hc.sinkhorn_iters, hc.hc_eps
     )

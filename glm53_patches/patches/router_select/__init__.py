@@ -22,8 +22,9 @@ PATCH = Patch(
         f"{GLM5_NEXT}:_expert_select",
         f"{GLM5_NEXT}:MoEGate.__init__",
         "mlx_vlm.models.linear:tiled_linear",
+        "mlx_vlm.models.linear:tokenwise",  # a CUDA block's logits as one batched gemv (kernels/rowwise.py)
     ),
-    uses=("glm53_patches.kernels.build",),
+    uses=("glm53_patches.kernels.build", "glm53_patches.kernels.rowwise"),
     numerics="exact",
     needs_verify_on=("cuda", "metal"),
     kernels_on=("cuda", "metal"),

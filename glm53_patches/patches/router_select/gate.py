@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_vlm.models.glm5_next import language as _lang
 
 from glm53_patches.kernel_switch import KernelSwitch
+from glm53_patches.kernels import rowwise
 
 from . import PATCH
 from .kernel import gpu_backend, router_select, unsupported
@@ -26,14 +27,22 @@ def kernel_wanted(backend):
     return switch.wanted(backend)
 
 
+def gate_logits(self, x):
+    """Stock's ``tiled_linear(lambda x: x @ self.weight.T, x.astype(float32))``; for a CUDA block at
+    batch 1, its per-position matmuls (``tokenwise``) as one launch with each position's bits
+    (``kernels/rowwise.py``)."""
+    if rowwise.applies(x):
+        return rowwise.matvecs(x.astype(mx.float32), self.weight)
+    return _lang.tiled_linear(lambda x: x @ self.weight.T, x.astype(mx.float32))
+
+
 def select(self, x):
     """``MoEGate.__call__(self, x)`` through the kernel; None, having computed nothing, where it does not run."""
     backend = gpu_backend()
     if not kernel_wanted(backend):
         stats.fallback("no GPU backend" if backend is None else "kernel off (not verified here)")
         return None
-    # Stock's gate matmul, unchanged; only what follows it is fused.
-    logits = _lang.tiled_linear(lambda x: x @ self.weight.T, x.astype(mx.float32))
+    logits = gate_logits(self, x)  # stock's gate matmul; only what follows it is fused
     reason = unsupported(logits, self.e_score_correction_bias, self.top_k, self.n_group, backend)
     if reason is not None:  # the lazy logits are never evaluated
         stats.fallback(reason)
