@@ -1,6 +1,6 @@
 """Is a short block's dense per-position matvec, as one batched gemv, bit for bit stock's tokenwise calls? (issue 16)
 
-``glm53_patches.kernels.rowwise.matvecs`` against mlx-vlm's ``tokenwise(lambda p: p @ w.T, x)`` at the
+``glm53_patches.kernels.rowwise.block_matvecs`` against mlx-vlm's ``tokenwise(lambda p: p @ w.T, x)`` at the
 shapes a verify block computes that way at batch 1: the hyper-connections' mix (K = 4 x 4,096, 24 outputs,
 float32) and the router's logits (K = 4,096, 64 and 288 experts, a float32 input, float32 or bf16 weights),
 for 2 to 8 positions. Prints, per case, whether every output is bit-identical and the us per call of each
@@ -42,7 +42,7 @@ def main():
         for length in range(2, 9):
             x = mx.random.normal((1, length, k), key=mx.random.key(length))
             stock = lambda: tokenwise(lambda part: part @ w.T, x)  # noqa: E731
-            ours = lambda: rowwise.matvecs(x, w)  # noqa: E731
+            ours = lambda: rowwise.block_matvecs(x, w)  # noqa: E731
             exact = mx.array_equal(stock(), ours()).item()
             s, o = [], []
             for r in range(2):  # interleaved: stock, ours, ours, stock

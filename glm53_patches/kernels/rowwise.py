@@ -20,24 +20,25 @@ strided partial sum, one warp reduce. The vector width per lane
 pointers, the same for a fresh contiguous slice and a fresh block. So each
 position gets its own call's bits, in one launch. That is read from MLX's
 source, not promised by it: the patches using this run it only on CUDA,
-where their ``verify`` compares it with stock's path; elsewhere (the CPU's
-BLAS, Metal) stock's ``tokenwise`` runs.
+where their ``verify`` compares it with stock's path (and
+``benchmarks/h200/probe_rowwise.py`` found it bit-identical at every block
+length and shape they use, on an H100); elsewhere (the CPU's BLAS, Metal)
+stock's ``tokenwise`` runs. ``glm53-patches stage`` copies these functions
+into each patch's pull request (the shared helpers' rule).
 """
 
 import mlx.core as mx
 
-from glm53_patches.backend import gpu_backend
-
 MAX_POSITIONS = 8  # mlx-vlm's DECODE_BLOCK_SIZE: longer blocks take its tiled prefill path
 
 
-def applies(x) -> bool:
-    """Does stock compute ``x @ w.T`` (``x`` ``[1, L, K]``) position by position here, and does
-    ``matvecs`` give the same bits? A CUDA block at batch 1 of 2 to 8 positions."""
-    return x.ndim == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= MAX_POSITIONS and gpu_backend() == "cuda"
+def block_on_cuda(x, backend) -> bool:
+    """Does stock compute ``x @ w.T`` (``x`` ``[1, L, K]``) position by position on ``backend``, and
+    does ``block_matvecs`` give the same bits? A CUDA block at batch 1 of 2 to 8 positions."""
+    return backend == "cuda" and x.ndim == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= MAX_POSITIONS
 
 
-def matvecs(x, w):
+def block_matvecs(x, w):
     """``x @ w.T`` for ``x`` ``[1, L, K]`` and ``w`` ``[N, K]``, each position as its own one-row call
     computes it on CUDA: ``[1, L, N]``."""
     _, length, k = x.shape

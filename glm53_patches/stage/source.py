@@ -72,7 +72,7 @@ from typing import Dict, List, Optional, Tuple
 from .. import drift
 
 PLUGIN_ROOT = "glm53_patches"
-INLINED = ("glm53_patches.backend", "glm53_patches.kernels.build")  # rule 6
+INLINED = ("glm53_patches.backend", "glm53_patches.kernels.build", "glm53_patches.kernels.rowwise")  # rule 6
 
 
 class StageError(ValueError):

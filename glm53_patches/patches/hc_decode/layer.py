@@ -47,7 +47,8 @@ from mlx_vlm.models.switch_layers import MoE
 
 from glm53_patches import config, verify_records
 from glm53_patches.log import once
-from glm53_patches.kernels import hc_sinkhorn, rowwise
+from glm53_patches.kernels import hc_sinkhorn
+from glm53_patches.kernels.rowwise import block_matvecs, block_on_cuda
 
 from . import PATCH
 
@@ -151,8 +152,8 @@ _STOCK_MIX = _hc.HyperConnection._mix
 def mix(hc, z):
     """``hc._mix(z)``; for a CUDA block at batch 1, its per-position matmuls (``tokenwise``) as one
     launch with each position's bits (``kernels/rowwise.py``)."""
-    if rowwise.applies(z) and type(hc)._mix is _STOCK_MIX:
-        return rowwise.matvecs(z, hc.fn)
+    if block_on_cuda(z, hc_sinkhorn.gpu_backend()) and type(hc)._mix is _STOCK_MIX:
+        return block_matvecs(z, hc.fn)
     return hc._mix(z)
 
 

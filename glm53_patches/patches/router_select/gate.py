@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_vlm.models.glm5_next import language as _lang
 
 from glm53_patches.kernel_switch import KernelSwitch
-from glm53_patches.kernels import rowwise
+from glm53_patches.kernels.rowwise import block_matvecs, block_on_cuda
 
 from . import PATCH
 from .kernel import gpu_backend, router_select, unsupported
@@ -27,12 +27,12 @@ def kernel_wanted(backend):
     return switch.wanted(backend)
 
 
-def gate_logits(self, x):
+def gate_logits(self, x, backend):
     """Stock's ``tiled_linear(lambda x: x @ self.weight.T, x.astype(float32))``; for a CUDA block at
     batch 1, its per-position matmuls (``tokenwise``) as one launch with each position's bits
     (``kernels/rowwise.py``)."""
-    if rowwise.applies(x):
-        return rowwise.matvecs(x.astype(mx.float32), self.weight)
+    if block_on_cuda(x, backend):
+        return block_matvecs(x.astype(mx.float32), self.weight)
     return _lang.tiled_linear(lambda x: x @ self.weight.T, x.astype(mx.float32))
 
 
@@ -42,7 +42,7 @@ def select(self, x):
     if not kernel_wanted(backend):
         stats.fallback("no GPU backend" if backend is None else "kernel off (not verified here)")
         return None
-    logits = gate_logits(self, x)  # stock's gate matmul; only what follows it is fused
+    logits = gate_logits(self, x, backend)  # stock's gate matmul; only what follows it is fused
     reason = unsupported(logits, self.e_score_correction_bias, self.top_k, self.n_group, backend)
     if reason is not None:  # the lazy logits are never evaluated
         stats.fallback(reason)
