@@ -27,15 +27,13 @@ stock's ``tokenwise`` runs. ``glm53-patches stage`` copies these functions
 into each patch's pull request (the shared helpers' rule).
 """
 
-import mlx.core as mx
-
-MAX_POSITIONS = 8  # mlx-vlm's DECODE_BLOCK_SIZE: longer blocks take its tiled prefill path
+from mlx_vlm.models.linear import DECODE_BLOCK_SIZE  # longer blocks take stock's tiled prefill path
 
 
 def block_on_cuda(x, backend) -> bool:
     """Does stock compute ``x @ w.T`` (``x`` ``[1, L, K]``) position by position on ``backend``, and
     does ``block_matvecs`` give the same bits? A CUDA block at batch 1 of 2 to 8 positions."""
-    return backend == "cuda" and x.ndim == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= MAX_POSITIONS
+    return backend == "cuda" and x.ndim == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= DECODE_BLOCK_SIZE
 
 
 def block_matvecs(x, w):
