@@ -36,6 +36,11 @@ def _arrays(value):
     return []
 
 
+def _grown(first, last):
+    """(change, primitive) for each primitive kind whose count differs from ``first`` to ``last``, largest first."""
+    return sorted(((last.get(k, 0) - first.get(k, 0), k) for k in set(first) | set(last)), reverse=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--arms", default="all")
@@ -71,7 +76,7 @@ def main():
             t1 = time.perf_counter()
             key = (*current["key"], piece)
             if key not in piece_counts:  # once per arm, length, kind and piece: what its graph holds
-                piece_counts[key] = measure.count_primitives([a for a in _arrays(out)])["by_primitive"]
+                piece_counts[key] = measure.count_primitives(_arrays(out))["by_primitive"]
             mx.eval(out)
             mx.synchronize()
             t2 = time.perf_counter()
@@ -179,7 +184,7 @@ def main():
     for label in arms.labels:
         if len(lengths) > 1:
             first, last = (counts[(label, n)]["by_primitive"] for n in (lengths[0], lengths[-1]))
-            grown = sorted(((last.get(k, 0) - first.get(k, 0), k) for k in set(first) | set(last)), reverse=True)
+            grown = _grown(first, last)
             print(f"{label[:40]}: primitives L={lengths[-1]} minus L={lengths[0]}: "
                   + ", ".join(f"{k} {d:+d}" for d, k in grown[:25] if d))
     count = {k: kinds.count(k) for k in set(kinds)}
@@ -199,8 +204,7 @@ def main():
                     print(f"{label:<40.40} {kind:8} x{count[kind]:<3} {piece:6} " + "   ".join(cells))
                 if len(lengths) > 1 and (label, lengths[-1], kind, piece) in piece_counts:
                     first, last = (piece_counts.get((label, n, kind, piece), {}) for n in (lengths[0], lengths[-1]))
-                    grown = sorted(((last.get(k, 0) - first.get(k, 0), k) for k in set(first) | set(last)),
-                                   reverse=True)
+                    grown = _grown(first, last)
                     out["pieces"][f"{label}|counts|{kind}|{piece}"] = {"first": first, "last": last}
                     print(f"{'':40} {'':13} {piece:6} primitives L={lengths[-1]} minus L={lengths[0]}: "
                           + ", ".join(f"{k} {d:+d}" for d, k in grown[:14] if d))
