@@ -13,15 +13,17 @@ Metal twin). There is no GPU here, so:
 * the coverage rules (``linear.unsupported``) on real ``QuantizedLinear``
   modules: which calls the kernel takes, and the reason for each it leaves;
 * with CUDA or Metal pretended and the kernel replaced by a recorder that runs stock's
-  own singleton call (``gather_qmm`` over the positions) on what it is
-  handed: the tiny model's verify blocks stay bit for bit, so the wrapper
+  own call on what it is handed (``gather_qmm`` over the positions, or a
+  one-row ``quantized_matmul`` per position at a width that is not a multiple
+  of 512): the tiny model's verify blocks stay bit for bit, so the wrapper
   hands the kernel each module's weight, scales, biases, bits and group size,
-  the block's rows in order, and shapes the result as stock does; only blocks
-  of 2 to 7 positions reach it.
+  the block's rows in order, and shapes the result as stock does; blocks of 2
+  to 7 positions reach it, and of 8 on CUDA at the narrower widths.
 
 The tiny model here has a hidden size of 512 and is served in bf16: the
-singleton path (and so the kernel) takes only 16-bit inputs whose width is a
-multiple of 512.
+singleton path takes 16-bit inputs whose width is a multiple of 512; its
+narrower quantized projections (128 and 256 wide) stock runs as one call per
+position, which the kernel takes on CUDA only.
 """
 
 import mlx.core as mx
@@ -115,7 +117,14 @@ def test_coverage():
     assert linear.unsupported(quantized(256, 512), mx.zeros((2, 4, 512), mx.bfloat16)) == "batch"
     assert linear.unsupported(quantized(256, 512, dtype=mx.float32), x.astype(mx.float32)) == "dtype"
     assert linear.unsupported(quantized(256, 512), x.astype(mx.float16)) == "dtype"  # scales in bf16
-    assert linear.unsupported(quantized(256, 768), mx.zeros((1, 4, 768), mx.bfloat16)) == "width"
+    # Other widths: stock runs each position as its own call, CUDA's one-row qmv (at 8 positions too)
+    # where a row holds more than one group
+    for width, group in ((768, 64), (128, 64), (256, 128)):
+        for positions in (2, 8):
+            block = mx.zeros((1, positions, width), mx.bfloat16)
+            assert linear.unsupported(quantized(256, width, group=group), block) is None
+            assert linear.unsupported(quantized(256, width, group=group), block, "metal") == "width"
+    assert linear.unsupported(quantized(256, 128, group=128), mx.zeros((1, 4, 128), mx.bfloat16)) == "width"
     assert linear.unsupported(quantized(256, 1024), x) == "shape"
     assert linear.unsupported(nn.Linear(512, 256), x) == "module type"
     mxfp4 = nn.QuantizedLinear.from_linear(nn.Linear(512, 256), group_size=32, bits=4, mode="mxfp4")
@@ -168,6 +177,9 @@ def run_pretending(monkeypatch, model, names, backend="cuda"):
 
     def recorder(x, w, scales, biases, bits, group_size, backend):
         seen.append((x.shape, w.shape, backend, bits, group_size))
+        if x.shape[1] % 512:  # stock's exact_quantized_linear: a one-row call per position
+            return mx.concatenate([mx.quantized_matmul(row[None], w, scales, biases, transpose=True,
+                                                       group_size=group_size, bits=bits) for row in x])
         indices = mx.zeros((1, x.shape[0], 1), dtype=mx.int32)
         out = mx.gather_qmm(x[None, :, None, None], w[None], scales[None], biases[None], rhs_indices=indices,
                             transpose=True, group_size=group_size, bits=bits, sorted_indices=False)
@@ -188,9 +200,13 @@ def run_pretending(monkeypatch, model, names, backend="cuda"):
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stock_outputs, backend):
     actual, seen = run_pretending(monkeypatch, model, [NAME], backend)
-    assert_bitwise(stock_outputs, actual, "verify blocks, the kernel's calls answered by stock's singleton gather")
-    assert seen and {shape[0] for shape, *_ in seen} == set(range(2, 8)), "blocks of 2 to 7 positions reach it"
-    assert all(shape[1] == 512 for shape, *_ in seen) and {tuple(rest) for _, _, *rest in seen} == {(backend, 4, 64)}
+    assert_bitwise(stock_outputs, actual, "verify blocks, the kernel's calls answered by stock's own calls")
+    gathered = {shape[0] for shape, *_ in seen if shape[1] == 512}
+    assert gathered == set(range(2, 8)), "blocks of 2 to 7 positions reach it on the gather path"
+    # the narrower projections (stock: a qmv per position) on CUDA only, at 8 positions too
+    per_position = {shape[0] for shape, *_ in seen if shape[1] != 512}
+    assert per_position == (set(range(2, 9)) if backend == "cuda" else set())
+    assert {tuple(rest) for _, _, *rest in seen} == {(backend, 4, 64)}
     hits, fallbacks = counts()
     assert hits["kernel"] == len(seen)
     assert fallbacks["positions"] > 0  # the 8-position block: stock's gather takes its GEMM there
@@ -209,7 +225,7 @@ def test_layer_decode_traces_it_into_its_blocks(monkeypatch, model, stock_output
     layers = layer_decode.PATCH.stats.snapshot()
     assert "block_qmv patches linear" not in layers["fallbacks"]
     assert layers["hits"]["kda block"] > 0 and layers["hits"]["dsa block"] > 0
-    assert seen and {shape[0] for shape, *_ in seen} <= set(range(2, 8))  # traced once per layer kind and shape
+    assert seen and {shape[0] for shape, *_ in seen} <= set(range(2, 9))  # traced once per layer kind and shape
 
 
 def test_verify_on_the_cpu():

@@ -18,7 +18,8 @@ PATCH = Patch(
     summary=(
         "On CUDA and Metal, the quantized projections of a block of 2 to 7 positions at batch 1 (speculative "
         "verify blocks; stock computes each position as a one-token call, singleton_quantized_linear's "
-        "gather_qmv, reading the weights once per position) run one matvec kernel that loads each weight once "
+        "gather_qmv, reading the weights once per position; on CUDA also the narrower projections stock runs "
+        "as one qmv per position, up to 8) run one matvec kernel that loads each weight once "
         "for every position and keeps qmv's arithmetic per position. Where `glm53-patches verify block_qmv` "
         "passed; bit-identical to stock there. Elsewhere, and for every other call, stock's function."
     ),
@@ -31,6 +32,7 @@ PATCH = Patch(
         f"{_LINEAR}:tiled_linear",
         f"{_LINEAR}:native_batch_linear",
         "mlx_vlm.models.quantized_verifier:singleton_quantized_linear",
+        "mlx_vlm.models.quantized_verifier:exact_quantized_linear",
     ),
     uses=("glm53_patches.kernels.build", "glm53_patches.kernels.mlx_metal", "glm53_patches.patches.exact_qmv.kernel"),
     numerics="exact",

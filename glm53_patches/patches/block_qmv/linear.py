@@ -9,10 +9,14 @@ and a width that is a multiple of 512 takes ``singleton_quantized_linear``:
 one ``gather_qmm`` over the positions, one row each, plus the module's bias.
 Below 8 positions MLX runs that gather as its ``gather_qmv`` kernel, qmv's
 arithmetic per position (on Metal its fast variant, where the rows are a
-multiple of 8); ``kernel.block_qmv`` gives the same bits and reads the
-weights once. Every other call (one token, prefill, 8 positions, a batch,
-other modules, dtypes or widths, no GPU, not verified here) goes to the
-function that was installed before, counted by reason where it was a block.
+multiple of 8). At other widths it takes ``exact_quantized_linear``: each
+position as its own one-row call, which MLX's CUDA backend runs as ``qmv``
+where a row holds more than one group (KDA's ``f_b_proj`` and ``g_b_proj``,
+128 wide), at any block length. ``kernel.block_qmv`` gives the same bits
+and reads the weights once. Every other call (one token, prefill, 8
+positions on the gather path, a batch, other modules, dtypes or widths, no
+GPU, not verified here) goes to the function that was installed before,
+counted by reason where it was a block.
 """
 
 import functools
@@ -40,8 +44,6 @@ def unsupported(module, x, backend="cuda") -> Optional[str]:
         return "module type"
     if x.shape[0] != 1:
         return "batch"  # stock: exact_quantized_linear, another path
-    if x.shape[1] > MAX_POSITIONS:
-        return "positions"
     if module.mode != "affine" or module.bits not in qmv_kernel.BITS or module.group_size not in qmv_kernel.GROUPS:
         return "quantization"
     if x.dtype not in qmv_kernel.DTYPES or module["scales"].dtype != x.dtype or module["biases"].dtype != x.dtype:
@@ -49,8 +51,13 @@ def unsupported(module, x, backend="cuda") -> Optional[str]:
     K = x.shape[-1]
     if module["weight"].ndim != 2 or module["weight"].shape[1] * 32 != K * module.bits:
         return "shape"
-    if K % 512:
-        return "width"  # native_batch_linear's singleton path wants K a multiple of 512
+    if K % 512 == 0:  # native_batch_linear's singleton path: one gather_qmm over the positions
+        if x.shape[1] > MAX_POSITIONS:
+            return "positions"
+    elif backend != "cuda" or K <= module.group_size:
+        # else one call per position: CUDA's qmv at one row, but MLX's sm90 GEMM where a row is one
+        # group, and on Metal a qmv variant the twin does not mirror
+        return "width"
     if backend == "metal" and module["weight"].shape[0] % 8:
         return "rows"  # Metal's gather_qmv_fast wants them a multiple of 8; its plain gather_qmv has another order
     return None

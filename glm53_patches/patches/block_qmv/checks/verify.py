@@ -2,17 +2,21 @@
 
 On CUDA and Metal:
 
-1. the op: mlx-vlm's own ``native_batch_linear`` (for these calls
-   ``singleton_quantized_linear``: MLX's gather_qmv) against ``kernel.block_qmv``
-   on the same random weights and inputs, stock run twice:
-   - each projection of a GLM-5.3-Flash layer whose width the singleton path
-     takes (a multiple of 512), at its real shape and bits, for a 4-position
-     block, and the widest at 2, 3 and 7 positions;
+1. the op: mlx-vlm's own ``native_batch_linear`` (at widths that are a
+   multiple of 512 ``singleton_quantized_linear``: MLX's gather_qmv; at
+   others, on CUDA, ``exact_quantized_linear``: a one-row qmv per position)
+   against ``kernel.block_qmv`` on the same random weights and inputs, stock
+   run twice:
+   - each projection of a GLM-5.3-Flash layer the patch takes here, at its
+     real shape and bits, for a 4-position block, and the widest at 2, 3 and
+     7 positions; on CUDA the 128-wide ``f_b_proj`` / ``g_b_proj`` also at 2
+     and 8 positions, and other narrow widths;
    - 4-bit, float16, groups 32 and 128, 2-, 3- and 5-bit, and on CUDA other
      launch shapes (warps per block, rows per warp), which must change nothing;
 2. the tiny random-weight model, bf16 at 8, 6 and 4 bits (on the CPU one
    4-bit model), with a hidden size of 512 so that the singleton path, and the
-   kernel, take its projections of the hidden state: greedy decode and
+   kernel, take its projections of the hidden state (on CUDA the kernel also
+   takes its narrower ones, which stock runs per position): greedy decode and
    speculative verify blocks at batch 1 and 2, every logit and the caches
    after each rollback, the kernel forced on behind ``linear`` and then behind
    ``tiled_linear``.
@@ -50,6 +54,14 @@ OTHER = [
     ("8-bit 8 warps, 1 row per warp", 4100, 4096, 8, 64, mx.bfloat16, 4, {"warps": 8, "rpw": 1}),
     ("6-bit 2 warps, 4 rows per warp", 4097, 4096, 6, 64, mx.bfloat16, 3, {"warps": 2, "rpw": 4}),
 ]
+# CUDA only: widths stock runs as a one-row qmv per position (Metal's qmv there is not the twin's)
+NARROW = [
+    ("KDA f_b_proj / g_b_proj", 8192, 128, 8, 64, mx.bfloat16, 2, {}),
+    ("KDA f_b_proj / g_b_proj", 8192, 128, 8, 64, mx.bfloat16, 8, {}),
+    ("6-bit 768 wide", 4096, 768, 6, 64, mx.bfloat16, 5, {}),
+    ("4-bit 256 wide, group 128", 4096, 256, 4, 128, mx.bfloat16, 3, {}),
+    ("8-bit 128 wide float16, 8 warps", 8190, 128, 8, 64, mx.float16, 6, {"warps": 8, "rpw": 1}),
+]
 
 
 def case_module(out_dims, in_dims, bits, group, dtype, positions, seed):
@@ -69,7 +81,9 @@ def check_op(tally, backend):
     from .. import kernel
     from ..linear import unsupported
 
-    cases = [(label, n, k, bits, 64, mx.bfloat16, 4, {}) for label, n, k, bits in REAL if k % 512 == 0] + OTHER
+    cuda = backend == "cuda"
+    cases = [(label, n, k, bits, 64, mx.bfloat16, 4, {}) for label, n, k, bits in REAL if k % 512 == 0 or cuda]
+    cases += OTHER + (NARROW if cuda else [])
     for seed, (label, n, k, bits, group, dtype, positions, launch) in enumerate(cases):
         if launch and backend != "cuda":
             continue  # CUDA's launch shapes

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# s42's device plan (issue 16): block_qmv takes the 128-wide KDA projections too (f_b_proj, g_b_proj), which
+# stock runs as a one-row qmv per position in a verify block. One foreground call on a warm machine; the
+# caller copies /root/res to $OUT.
+# 1. Side by side (each with its own kernel cache, then merged): `verify block_qmv`, and one short
+#    whole-block pass of arm D after the change, which compiles every kernel the timed runs need.
+# 2. probe_verify_layers.py --whole-only, blocks of 1 and 4 at 4,096 tokens, arm D, alternating the package
+#    before the change (/root/site0, from .whl0: main before it) and after it (/root/site), in separate
+#    processes: A B A B A B while the budget lasts.
+# Usage: h200-s42.sh BUDGET
+BUDGET=${1:-560}
+HERE="$(dirname "$0")"
+. "$HERE/stages.sh"
+KERNELS="GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1
+  GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1
+  GLM53_KDA_VERIFY_KERNEL_KERNEL=1"
+D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
+# arm D's whole blocks of 1 and 4 tokens (PROBE_EXTRA: e.g. "--small --context 256" for a CPU dry run)
+PROBE=(env $KERNELS $PY "$HERE/probe_verify_layers.py" --arms $D --blocks 1,4 --context 4096 --whole-only
+  ${PROBE_EXTRA:-})
+GLM53_PATCHES_STATE_DIR=$ROOT/state-block_qmv par verify_block_qmv 300 $PY -m glm53_patches.cli verify block_qmv \
+  --report $RES/verify_block_qmv.json
+par warm 300 "${PROBE[@]}" --blocks-timed 1 --out $RES/warm.json
+wait
+merge_ptx
+for round in 1 2 3; do
+  for site in site0 site; do
+    (( $(left) < 60 )) && break 2
+    PYTHONPATH=$ROOT/$site:$ROOT/site stage "whole-$site-$round" 90 "${PROBE[@]}" --blocks-timed ${BLOCKS:-10} \
+      --out $RES/whole-$site-$round.json
+  done
+done
+echo "$(date +%T) done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
