@@ -72,5 +72,6 @@ def tests(session, mlx_vlm):
         paths = ["tests/server", "tests/pins", "tests/bootstrap", *numerics_for(changed)]
         session.log(f"mlx-vlm {mlx_vlm}: upstream code differs from {REFERENCE} for "
                     f"{', '.join(sorted(changed)) or 'no patch'}")
-    session.run("pytest", "-q", "-n", "auto", "--dist", "loadfile", *paths, *session.posargs,
+    # --durations: the slowest tests in the log, to keep the matrix inside CI's time
+    session.run("pytest", "-q", "-n", "auto", "--dist", "loadfile", "--durations=15", *paths, *session.posargs,
                 env={"GLM53_TEST_PIN": mlx_vlm})
