@@ -9,7 +9,9 @@
 #    processes: A B A B A B while the budget lasts.
 # Ran in s42 on a second H100 with 1 and 2 side by side: verify did not finish inside 300 s beside the cold
 # compile, and the A/B did not settle (L = 1, the same code in both, differed by a third between processes).
-# Next: this plan as it stands now, about 9 minutes from cold.
+# 3. probe_dsa_block.py: can a DSA layer's per-position attention loop in a block run over all positions at
+#    once, bit for bit? (the next host cost to take off, if it can)
+# Next: this plan as it stands now, about 10 minutes from cold.
 # Usage: h200-s42.sh BUDGET
 BUDGET=${1:-560}
 HERE="$(dirname "$0")"
@@ -32,4 +34,5 @@ for round in 1 2 3; do
       --out $RES/whole-$site-$round.json
   done
 done
+stage dsa_block 90 $PY "$HERE/probe_dsa_block.py" --out $RES/dsa_block.json
 echo "$(date +%T) done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
