@@ -14,7 +14,7 @@ folded into the batch so that every call keeps one query row per head:
 - and the three together, as the back would run them.
 
 Prints, per piece and L, whether every output is bit-identical and the us per call of each (median of 6
-rounds of 20 calls, arms interleaved A B B A). A piece that is not bit-identical cannot be batched
+rounds of 50 calls, arms interleaved A B B A). A piece that is not bit-identical cannot be batched
 exactly on this backend.
 
 Usage: python probe_dsa_block.py [--out FILE.json]   (CUDA; on the CPU it runs, but says nothing about CUDA)
@@ -23,23 +23,14 @@ Usage: python probe_dsa_block.py [--out FILE.json]   (CUDA; on the CPU it runs, 
 import argparse
 import json
 import statistics
-import time
 
 import mlx.core as mx
 from mlx_vlm.models.glm5_next import language as _lang
 from mlx_vlm.models.mla import MultiLinear
+from probe_rowwise import per_call  # rounds of calls, each round one evaluation
 
 HEADS, NOPE, LATENT, V, ROWS = 64, 256, 512, 256, 2048 + 3
 SCALE = NOPE**-0.5
-
-
-def per_call(fn, reps=20, rounds=3):
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(reps)])
-        times.append((time.perf_counter() - t0) / reps)
-    return times
 
 
 def folded(a):
