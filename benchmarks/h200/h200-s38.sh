@@ -16,9 +16,7 @@ BUDGET=${2:-560}
 if [ "$PART" = v ]; then
   VERIFY_LIMIT=$(( $(left) - 20 )) verify_all kda_verify_kernel layer_decode
 else  # b and c: every kernel forced, kda_verify_kernel's too
-  export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
-    GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
-    GLM53_KDA_VERIFY_KERNEL_KERNEL=1
+  force_kernels
   D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+routed_experts
   if [ "$PART" = c ]; then
     stage contexts $(( $(left) - 10 )) $B --layers 45 --experts 64 --sections verify --contexts 256,4096 \

@@ -38,9 +38,7 @@ elif [ "$PART" = p ]; then
   stage probe $(( $(left) - 10 )) $PY "$HERE/probe_expert_mma.py" --baseline .dev-wb/kernel_s37.py \
     --out $RES/probe_expert_mma.json
 else
-  export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
-    GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
-    GLM53_KDA_VERIFY_KERNEL_KERNEL=1
+  force_kernels
   A=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel
   stage decode $(( $(left) - 10 )) $B --layers 45 --experts 64 --sections decode,verify --contexts 4096 \
     --verify-blocks 1,4 --prefill '' --arms stock,$A,$A+routed_experts --rounds 5 --steps 24 --warmup 4 \

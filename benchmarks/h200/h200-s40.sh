@@ -30,9 +30,7 @@ if [ "$PART" = v ] || [ "$PART" = vl ]; then
     exit 0
   fi
 fi
-export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
-  GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
-  GLM53_KDA_VERIFY_KERNEL_KERNEL=1
+force_kernels
 D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
 stage layers $(( $(left) - 10 )) $PY "$HERE/probe_verify_layers.py" --arms ${ARMS:-$D} --blocks 1,4 --context 4096 \
   --blocks-timed ${BLOCKS:-10} --out $RES/probe_verify_layers.json

@@ -19,9 +19,7 @@ if [ "$PART" = v ]; then
   VERIFY_LIMIT=$(( $(left) - 20 )) verify_all ${VERIFY:-hc_decode router_select}
 else
   stage rowwise 60 $PY "$HERE/probe_rowwise.py" --out $RES/probe_rowwise.json
-  export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
-    GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
-    GLM53_KDA_VERIFY_KERNEL_KERNEL=1
+  force_kernels
   D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
   # site0 holds only the wheel: mlx and mlx-vlm come from site, behind it
   for round in 1 2; do

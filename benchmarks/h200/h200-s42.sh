@@ -16,16 +16,14 @@
 BUDGET=${1:-560}
 HERE="$(dirname "$0")"
 . "$HERE/stages.sh"
-KERNELS="GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1
-  GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1
-  GLM53_KDA_VERIFY_KERNEL_KERNEL=1"
 D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
 # arm D's whole blocks of 1 and 4 tokens (PROBE_EXTRA: e.g. "--small --context 256" for a CPU dry run)
-PROBE=(env $KERNELS $PY "$HERE/probe_verify_layers.py" --arms $D --blocks 1,4 --context 4096 --whole-only
+PROBE=($PY "$HERE/probe_verify_layers.py" --arms $D --blocks 1,4 --context 4096 --whole-only
   ${PROBE_EXTRA:-})
 export MLX_PTX_CACHE_DIR=$ROOT/ptx
 GLM53_PATCHES_STATE_DIR=$ROOT/state stage verify_block_qmv 360 $PY -m glm53_patches.cli verify block_qmv \
   --report $RES/verify_block_qmv.json
+force_kernels
 stage warm 240 "${PROBE[@]}" --blocks-timed 1 --out $RES/warm.json
 for round in 1 2 3; do
   for site in site0 site; do

@@ -17,6 +17,12 @@ PY="python3 -X faulthandler"
 B="$PY -m glm53_patches.bench $EXTRA"
 W="--rounds 1 --steps 1 --warmup 0 --check-steps 1 --no-png --quiet"  # a warm-up run: compiles, times nothing
 
+force_kernels() {  # every decode kernel on, verified here or not (timing runs; `verify` forces its own)
+  export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
+    GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
+    GLM53_KDA_VERIFY_KERNEL_KERNEL=1
+}
+
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 
 stage() {  # stage NAME SECONDS COMMAND...: runs if time is left, bounded by its own limit
