@@ -26,7 +26,7 @@ else
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
   force_kernels
   for round in 1 2 3; do
-    for site in site0 site1 site; do
+    for site in ${SITES:-site0 site1 site}; do
       (( $(left) < 60 )) && break 2
       PYTHONPATH=$ROOT/$site:$ROOT/site stage "whole-$site-$round" 90 "${PROBE[@]}" --blocks-timed ${BLOCKS:-10} \
         --out $RES/whole-$site-$round.json
