@@ -28,10 +28,10 @@ DSA layer, two functions around what grows with the context:
     [eager, in step.py: latent KVCache update, the installed indexer (or the
      previous layer's top-k), one gather of every position's selected latent rows]
     back (q, selected, valid, x, post, comb, layer) -> x
-        Glm5NextAttention._attend's decode attention over each position's
-        selected rows ([B, L, K, C]: a fixed width K, index_topk plus the
-        tail), the positions that stock loops over folded into the batch;
-        o_proj, expand + collapse, mlp, hc_expand
+        Glm5NextAttention._attend's decode attention, position by position as
+        stock loops them, over each position's selected rows ([B, L, K, C]: a
+        fixed width K, index_topk plus the tail), o_proj, expand + collapse,
+        mlp, hc_expand
 
 The bodies call the code that runs eagerly, on parameter-free copies of the
 layer's modules bound to the traced parameters: weights are inputs, never
@@ -255,17 +255,16 @@ def dsa_back_function(label, hc_kernels):
             # BatchKVCache, for which stock's cache argument selects nothing.
             # Stock's mx.async_eval per position in a block only schedules work;
             # nothing can be evaluated inside a trace, and no value depends on it.
-            # Stock loops a block's positions; here each is its own batch entry, so every call still has
-            # one query row per head and computes each position as stock's loop does (the CPU tests;
-            # CUDA's `verify`, and benchmarks/h200/probe_dsa_block.py per piece). Metal blocks never
-            # come here: they step aside for stock's block kernels.
-            batch, heads, length, _ = q.shape
-            rows = selected.reshape(batch * length, 1, *selected.shape[2:])
-            query = attn.embed_q(q.transpose(0, 2, 1, 3).reshape(batch * length, heads, 1, -1))
-            out = _lang.scaled_dot_product_attention(query, rows, rows, cache=None, scale=attn.scale,
-                                                     mask=valid.reshape(batch * length, 1, 1, -1))
-            out = attn.unembed_out(out)
-            out = _lang.linear(attn.o_proj, out.reshape(batch, length, -1))
+            outputs = []
+            for index in range(q.shape[2]):
+                rows = selected[:, index : index + 1]  # [B, 1, K, C]: the latent's one head
+                query = attn.embed_q(q[:, :, index : index + 1])
+                out = _lang.scaled_dot_product_attention(query, rows, rows, cache=None, scale=attn.scale,
+                                                         mask=valid[:, None, index : index + 1])
+                outputs.append(attn.unembed_out(out))
+            out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
+            batch, _, length, _ = out.shape
+            out = _lang.linear(attn.o_proj, out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
             return _ffn(hc_kernels, layer, out, x, post, comb)
 
     return mx.compile(body)
