@@ -1,5 +1,8 @@
 """Bit-for-bit comparison shared by the patches' ``verify`` checks."""
 
+import sys
+import time
+
 import mlx.core as mx
 import numpy as np
 
@@ -69,6 +72,14 @@ class Tally:
         self.max_abs_diff = 0.0
         self.notes = []
         self.records = []
+        self._start = time.perf_counter()
+
+    def _record(self, record):
+        """Keeps a case's record and says it on stderr as it ends: a verify runs for minutes, and one
+        that is killed (a time limit, a hung launch) still shows how far it got."""
+        self.records.append(record)
+        print(f"  {time.perf_counter() - self._start:7.1f} s  {record['result']:12} {record['case']}", file=sys.stderr,
+              flush=True)
 
     def compare(self, name, expected, actual):
         mx.eval(expected, actual)
@@ -99,8 +110,8 @@ class Tally:
         """A case the check compared itself: ``exact`` or not (``why`` says where it differs)."""
         self.cases += 1
         self.max_abs_diff = max(self.max_abs_diff, max_abs_diff)
-        self.records.append({"case": name, "result": "exact" if exact else "differs", "max_abs_diff": max_abs_diff,
-                             **({"where": why} if why else {})})
+        self._record({"case": name, "result": "exact" if exact else "differs", "max_abs_diff": max_abs_diff,
+                      **({"where": why} if why else {})})
         if not exact:
             self.mismatches.append(f"{name}: {why or 'differs'}")
         return exact
@@ -108,14 +119,14 @@ class Tally:
     def inconclusive(self, name, why):
         """A case that proves nothing either way (it counts as a case, not as a pass)."""
         self.cases += 1
-        self.records.append({"case": name, "result": "inconclusive", "why": why})
+        self._record({"case": name, "result": "inconclusive", "why": why})
         self.notes.append(f"{name} inconclusive: {why}")
 
     def failed(self, name, exc):
         """A case that raised: the patch is not verified."""
         self.cases += 1
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        self.records.append({"case": name, "result": "failed", "error": error})
+        self._record({"case": name, "result": "failed", "error": error})
         self.mismatches.append(f"{name}: raised {error}")
 
     def result(self, seconds, detail=""):
