@@ -8,6 +8,12 @@
 # t: probe_verify_layers.py --whole-only, blocks of 1 to 4 tokens at 4,096 tokens of context, arm D, in
 #    separate processes, rotating three packages: /root/site0 (.whl0: before block_qmv's narrower widths),
 #    /root/site1 (.whl1: with them) and /root/site (.whl: and the batched DSA back), while the budget lasts.
+# Ran in s43 (an H100): v with .whl = the batched DSA back (3d16ca6 withdrew it): the probe found no piece
+# bit-identical and `verify layer_decode` failed; `verify block_qmv` did not finish in 430 s, nor then alone
+# in 290 s on its kernel cache. t (SITES="site0 site1", 255 s) got two site0 processes and most of one
+# site1: the warm pass had compiled the batched code, so site1 compiled its own graphs inside its 90 s.
+# Next: `verify block_qmv` alone with the rest of a call (its per-case lines show where the time goes), then
+# v's warm pass and t with .whl0 and .whl of the same main, SITES="site0 site".
 # Usage: h200-s43.sh v|t BUDGET
 PART=$1
 BUDGET=${2:-560}
