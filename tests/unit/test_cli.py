@@ -113,7 +113,7 @@ def test_verify_report_holds_the_machine_and_every_case(tmp_path):
     assert all("case_results" not in record for record in stored.values())  # the records stay small
 
 
-def test_tally_records_every_kind_of_case():
+def test_tally_records_every_kind_of_case(capsys):
     import mlx.core as mx
 
     from glm53_patches.exactness import Tally
@@ -127,6 +127,10 @@ def test_tally_records_every_kind_of_case():
     assert [c["result"] for c in result["case_results"]] == ["exact", "differs", "inconclusive", "failed"]
     assert result["case_results"][1]["max_abs_diff"] > 0 and "ValueError" in result["case_results"][3]["error"]
     assert result["exact"] is False and result["cases"] == 4
+    # each case is said on stderr as it ends, in order (a verify cut short shows how far it got)
+    said = [line.split()[2:] for line in capsys.readouterr().err.splitlines()]
+    assert said == [["exact", "same"], ["differs", "off", "by", "one", "ulp"], ["inconclusive", "stock", "unstable"],
+                    ["failed", "raised"]]
     only_inconclusive = Tally()
     only_inconclusive.inconclusive("x", "why")
     assert only_inconclusive.result(0.1)["exact"] is False  # nothing compared proves nothing
