@@ -12,8 +12,7 @@
 # bit-identical and `verify layer_decode` failed; `verify block_qmv` did not finish in 430 s, nor then alone
 # in 290 s on its kernel cache. t (SITES="site0 site1", 255 s) got two site0 processes and most of one
 # site1: the warm pass had compiled the batched code, so site1 compiled its own graphs inside its 90 s.
-# Next: `verify block_qmv` alone with the rest of a call (its per-case lines show where the time goes), then
-# v's warm pass and t with .whl0 and .whl of the same main, SITES="site0 site".
+# Next: h200-s44.sh.
 # Usage: h200-s43.sh v|t BUDGET
 PART=$1
 BUDGET=${2:-560}
