@@ -67,7 +67,6 @@ class Tally:
     """
 
     def __init__(self):
-        self.cases = 0
         self.mismatches = []
         self.max_abs_diff = 0.0
         self.notes = []
@@ -80,6 +79,11 @@ class Tally:
         self.records.append(record)
         print(f"  {time.perf_counter() - self._start:7.1f} s  {record['result']:12} {record['case']}", file=sys.stderr,
               flush=True)
+
+    @property
+    def cases(self):
+        """Cases so far: every kind counts (exact, differs, inconclusive, failed)."""
+        return len(self.records)
 
     def compare(self, name, expected, actual):
         mx.eval(expected, actual)
@@ -108,7 +112,6 @@ class Tally:
 
     def add(self, name, exact, max_abs_diff=0.0, why=""):
         """A case the check compared itself: ``exact`` or not (``why`` says where it differs)."""
-        self.cases += 1
         self.max_abs_diff = max(self.max_abs_diff, max_abs_diff)
         self._record({"case": name, "result": "exact" if exact else "differs", "max_abs_diff": max_abs_diff,
                       **({"where": why} if why else {})})
@@ -118,13 +121,11 @@ class Tally:
 
     def inconclusive(self, name, why):
         """A case that proves nothing either way (it counts as a case, not as a pass)."""
-        self.cases += 1
         self._record({"case": name, "result": "inconclusive", "why": why})
         self.notes.append(f"{name} inconclusive: {why}")
 
     def failed(self, name, exc):
         """A case that raised: the patch is not verified."""
-        self.cases += 1
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         self._record({"case": name, "result": "failed", "error": error})
         self.mismatches.append(f"{name}: raised {error}")
