@@ -30,12 +30,6 @@ if [ "$PART" = v ]; then
 else
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
   force_kernels
-  for round in 1 2 3; do
-    for site in ${SITES:-site0 site1 site}; do
-      (( $(left) < 60 )) && break 2
-      PYTHONPATH=$ROOT/$site:$ROOT/site stage "whole-$site-$round" 90 "${PROBE[@]}" --blocks-timed ${BLOCKS:-10} \
-        --out $RES/whole-$site-$round.json
-    done
-  done
+  rotate "${SITES:-site0 site1 site}" "${PROBE[@]}" --blocks-timed ${BLOCKS:-10}
 fi
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt

@@ -28,12 +28,6 @@ l)
 t)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
   force_kernels
-  for round in 1 2 3; do
-    for site in site0 site; do
-      (( $(left) < 60 )) && break 2
-      PYTHONPATH=$ROOT/$site:$ROOT/site stage "whole-$site-$round" 90 "${PROBE[@]}" --blocks 1,2,3,4 --whole-only \
-        --blocks-timed ${BLOCKS:-10} --out $RES/whole-$site-$round.json
-    done
-  done ;;
+  rotate "site0 site" "${PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
 esac
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt

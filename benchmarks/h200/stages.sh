@@ -25,6 +25,18 @@ force_kernels() {  # every decode kernel on, verified here or not (timing runs; 
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 
+rotate() {  # rotate "SITES" COMMAND...: COMMAND in separate processes, 90 s each, each package of SITES in
+  # turn ($ROOT/<site> before $ROOT/site on PYTHONPATH), up to 3 rounds while a minute of budget is left;
+  # each run is stage whole-<site>-<round>, writing --out $RES/whole-<site>-<round>.json
+  local sites=$1 round site; shift
+  for round in 1 2 3; do
+    for site in $sites; do
+      (( $(left) < 60 )) && return
+      PYTHONPATH=$ROOT/$site:$ROOT/site stage "whole-$site-$round" 90 "$@" --out $RES/whole-$site-$round.json
+    done
+  done
+}
+
 stage() {  # stage NAME SECONDS COMMAND...: runs if time is left, bounded by its own limit
   local name=$1 limit=$2; shift 2
   local l=$(left)
