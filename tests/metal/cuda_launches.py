@@ -120,11 +120,12 @@ def _hc():
 def _dsa():
     from glm53_patches.patches.dsa_decode.select_kernel import select_topk
 
-    for batch, keys, kpool, topk, tail in ((1, 4096, 16, 2048, 15), (2, 131072, 16, 2048, 15), (3, 300, 4, 64, 3)):
+    for batch, length, keys, kpool, topk, tail in ((1, 1, 4096, 16, 2048, 15), (2, 1, 131072, 16, 2048, 15),
+                                                   (3, 1, 300, 4, 64, 3), (2, 4, 4096, 16, 2048, 15)):
         pools = keys // kpool
-        select_topk(_normal((batch, pools), 20), mx.ones((batch, keys), mx.bool_),
-                    mx.array([pools] * batch, mx.int32), mx.ones((batch,), mx.bool_), min(pools, topk // kpool),
-                    kpool=kpool, topk=topk, tail_width=tail, backend="cuda")
+        select_topk(_normal((batch, length, pools), 20), mx.ones((batch, keys), mx.bool_),
+                    mx.array([pools] * batch, mx.int32), mx.ones((batch, length), mx.bool_),
+                    min(pools, topk // kpool), kpool=kpool, topk=topk, tail_width=tail, backend="cuda")
 
 
 def _indexer():

@@ -18,7 +18,6 @@ MAIN_4ED0234 = {
     "expert_combine": "d5f15e74ce5c0d80bf518cc2c2dcf533373145c28bb81efcfa0dcaf2ff6b0dbf",
     "fused_kda_kernel": "e377af71d79e29810846df32587df739c9cbef36b75934a787708a708c231582",
     "hc_decode": "6693074c30a17f8eee686e51f10bfe26d7384511b27aedcb3e61af2acf79d843",
-    "dsa_decode": "335d96af9fb8d8cebc1bb930d9452d394c7773fe62ac3c17eda4449d354a28ae",
     "indexer_fp32": "a88f40ddcc82e9e4611d4b35bc732843d07a2107ef3a6a7b81859a2f0165b8d3",
     "kda_prefill_kernel": "bd99032c68bb099a8709f5158d103ac49d02ca9e76fced094a02b503af478650",
 }
@@ -39,7 +38,10 @@ VERIFIED_S28 = {
 #   launch 049d2749752a...).
 # - kda_verify_kernel: written in s37 without a GPU, verified in s38: 18 cases (one inconclusive: stock not
 #   repeatable at 8-bit, padded batch 3), code digest ba3e6b817777.
+# - dsa_decode: s44's selection over each position of a verify block (one launch for L positions; L = 1 is the
+#   decode token s32 verified, code digest 60c672c549d1, launch 335d96af9fb8...). Its CUDA verify is pending.
 VERIFIED_H100 = {
+    "dsa_decode": "d7ac80fc619206980774120401ad64ecebc1796b6da67619f6f873c4b604ac98",
     "block_qmv": "fb3bc7ce590cb9ff3bee97cd28f3bcf2e90fb3f2bc6ab9633b07d85ee62a9b29",
     "kda_verify_kernel": "7135bc24e5d74989185ed0e05a6a2cfb62af005284b5327f533c31d833959726",
     "routed_experts": "2fa1c13c93e8be44b7d987b76227605aec3861ce8aaf6ca47ef49e72dbf8558b",

@@ -301,11 +301,11 @@ def test_hc_decode_mutations_fail(tmp_path, mutation):
 
 
 def _dsa_cases():
-    """host_check's cases that fit Metal's 8,128 pools, and cases at that capacity: ties at the boundary among -0 and
-    +0 and NaN past it (4 blocks of the multi-block merge sort), a short pool cache; a batch of one (inputs of fewer
-    than 8 elements: constant memory); verify's 2,040 keys (every pool selected)."""
+    """host_check's cases (decode tokens and short blocks) that fit Metal's 8,128 pools, and cases at that capacity:
+    ties at the boundary among -0 and +0 and NaN past it (4 blocks of the multi-block merge sort), a short pool cache;
+    a batch of one (inputs of fewer than 8 elements: constant memory); verify's 2,040 keys (every pool selected)."""
     rng = np.random.default_rng(0)
-    found = [(name, case) for name, *case, real in host_check.cases(rng) if case[0].shape[1] <= 8128]
+    found = [(name, case) for name, *case, real in host_check.cases(rng) if case[0].shape[-1] <= 8128]
     pools, keys = 8128, 8128 * 16
     ties = rng.integers(-39, 1, (1, pools)).astype(np.float32)  # ~200 pools at 0, the boundary value
     ties[ties == 0] = np.where(rng.random(int((ties == 0).sum())) < 0.5, -0.0, 0.0)
@@ -314,15 +314,16 @@ def _dsa_cases():
     valid = np.ones((2, keys), bool)
     valid[1, 50000:50033] = False
     real = (128, 16, 2048, 15)
+    token = np.ones((2, 1), bool)  # decode tokens: one position a row
     found.append(("8128 pools: ties at the boundary with -0/+0, NaN past it",
-                  (np.concatenate([ties, nan]), valid, np.array([pools, pools]), np.array([True, True]), *real)))
-    found.append(("8128 pools: a pool cache of 100, holes", (rng.normal(0, 1, (2, pools)).astype(np.float32), valid,
-                                                             np.array([100, pools - 5]), np.array([True, True]), *real)))
-    found.append(("batch 1, 4096 keys", (rng.normal(0, 1, (1, 256)).astype(np.float32), np.ones((1, 4096), bool),
-                                         np.array([256]), np.array([True]), *real)))
-    found.append(("2040 keys: every pool selected", (rng.normal(0, 1, (2, 127)).astype(np.float32),
-                                                     np.ones((2, 2040), bool), np.array([127, 127]),
-                                                     np.array([True, True]), 127, 16, 2048, 15)))
+                  (np.concatenate([ties, nan])[:, None], valid, np.array([pools, pools]), token, *real)))
+    found.append(("8128 pools: a pool cache of 100, holes", (rng.normal(0, 1, (2, 1, pools)).astype(np.float32), valid,
+                                                             np.array([100, pools - 5]), token, *real)))
+    found.append(("batch 1, 4096 keys", (rng.normal(0, 1, (1, 1, 256)).astype(np.float32), np.ones((1, 4096), bool),
+                                         np.array([256]), token[:1], *real)))
+    found.append(("2040 keys: every pool selected", (rng.normal(0, 1, (2, 1, 127)).astype(np.float32),
+                                                     np.ones((2, 2040), bool), np.array([127, 127]), token,
+                                                     127, 16, 2048, 15)))
     return found
 
 
@@ -330,7 +331,7 @@ DSA_CASES = _dsa_cases()
 # one build per width: every case of a width gets the sort instances of all of them
 _DSA_SORTS = {}
 for _, (s, _kv, _l, _q, _k, kpool, topk, tail) in DSA_CASES:
-    _DSA_SORTS.setdefault((kpool, topk, tail), set()).update((s.shape[1], _k))
+    _DSA_SORTS.setdefault((kpool, topk, tail), set()).update((s.shape[-1], _k))
 
 
 @pytest.mark.parametrize("name, case", DSA_CASES, ids=[c[0] for c in DSA_CASES])

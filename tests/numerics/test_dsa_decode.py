@@ -223,8 +223,10 @@ def test_selection_kernel_reference_equals_stock(fp32_model, monkeypatch):
     The kernel runs on GPUs only; its body runs on the host in
     ``dsa_decode/host_check.py`` against this numpy reference. Here the
     reference is fed what ``_kernel_topk`` would hand the kernel (scores as
-    stock computes them, the key-validity row, the pool limit) at every
-    context from 1 to CONTEXTS keys, and must give stock's top-k.
+    stock computes them, the key-validity row, the pool limit, each
+    position's validity) for decode tokens at every context from 1 to
+    CONTEXTS keys, then for blocks of 2 to 8 tokens as the context grows
+    past the switch to real selection, and must give stock's top-k.
     """
     import numpy as np
 
@@ -236,26 +238,32 @@ def test_selection_kernel_reference_equals_stock(fp32_model, monkeypatch):
     def recorder(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache, select_k, tail_width):
         batch, pools = pool_keys.shape[:2]
         q, weights = self._project_queries(x, q_resid)
-        scores = decode._lang._score_index_keys(q, pool_keys, weights, self.softmax_scale).reshape(batch, pools)
+        scores = decode._lang._score_index_keys(q, pool_keys, weights, self.softmax_scale)
         limit = pool_cache.offset if isinstance(pool_cache.offset, mx.array) else mx.full((batch,), pools)
-        seen.append([np.array(a) for a in (scores, key_valid, limit, query_valid.reshape(batch))]
+        seen.append([np.array(a) for a in (scores, key_valid, limit, query_valid)]
                     + [select_k, self.index_kpool, self.index_topk, tail_width])
         return None  # the compiled path answers
 
     monkeypatch.setattr(decode, "_kernel_topk", recorder)
     attention = full_indexer_layers(fp32_model.language_model)[0].self_attn
     fast = decode.make_call(STOCK)
-    caches = [fp32_model.language_model.make_cache()[2] for _ in range(2)]
     hidden = attention.qkv_a_proj.weight.shape[1]
-    compared = 0
-    for step, key in enumerate(mx.random.split(mx.random.key(6), CONTEXTS)):
-        x = mx.random.normal((2, 1, hidden), key=key)
-        padding_mask = mx.array([[step % 7 != 3], [step % 9 != 4]])  # holes, and padded queries
-        outputs = [np.array(topk) for topk in select_both(attention, fast, caches, x, padding_mask)]
-        if seen and seen[-1][1].shape[1] == step + 1:  # this step reached the kernel's hand-off
-            assert np.array_equal(reference(*seen[-1]), outputs[0][:, 0]), f"context {step + 1}"
-            compared += 1
-    assert compared >= CONTEXTS - 4  # every context with at least one pool
+    for blocks, steps in ((False, CONTEXTS), (True, 40)):
+        caches = [fp32_model.language_model.make_cache()[2] for _ in range(2)]
+        compared = context = 0
+        for step, key in enumerate(mx.random.split(mx.random.key(6), steps)):
+            length = 2 + step % 7 if blocks else 1
+            x = mx.random.normal((2, length, hidden), key=key)
+            # holes, and padded positions
+            padding_mask = mx.array([[(step + i) % 7 != 3 for i in range(length)],
+                                     [(step + i) % 9 != 4 for i in range(length)]])
+            outputs = [np.array(topk) for topk in select_both(attention, fast, caches, x, padding_mask)]
+            context += length
+            if seen and seen[-1][1].shape[1] == context:  # this call reached the kernel's hand-off
+                assert np.array_equal(reference(*seen[-1]), outputs[0]), f"context {context}"
+                compared += 1
+        assert compared >= steps - 4  # every call with at least one pool
+        assert not blocks or (outputs[0][0] >= 0).sum(axis=-1).max() > attention.indexer.index_topk  # selecting
 
 
 def test_selection_kernel_coverage():

@@ -78,15 +78,18 @@ def hc_decode():
 def dsa_decode():
     from glm53_patches.patches.dsa_decode.select_kernel import select_topk
 
-    # verify: 32 heads, pools of 16, top-k 2048; contexts 2,040 to 131,072 keys, batch 1 and 2; the tiny model.
-    for batch, keys, kpool, topk, tail in ((1, 2040, 16, 2048, 15), (2, 4096, 16, 2048, 15),
-                                           (1, 131072, 16, 2048, 15), (3, 300, 4, 64, 3), (1, 56, 4, 16, 3)):
+    # verify: 32 heads, pools of 16, top-k 2048; contexts 2,040 to 131,072 keys, batch 1 and 2, decode tokens
+    # and verify blocks; the tiny model.
+    for batch, length, keys, kpool, topk, tail in ((1, 1, 2040, 16, 2048, 15), (2, 1, 4096, 16, 2048, 15),
+                                                   (1, 1, 131072, 16, 2048, 15), (3, 1, 300, 4, 64, 3),
+                                                   (1, 1, 56, 4, 16, 3), (2, 4, 4096, 16, 2048, 15),
+                                                   (1, 8, 300, 4, 64, 3)):
         pools = keys // kpool
-        yield (f"batch {batch}, {keys} keys, kpool {kpool}",
+        yield (f"batch {batch}, {length} positions, {keys} keys, kpool {kpool}",
                lambda s, v, p, q, k=min(pools, topk // kpool), kp=kpool, t=topk, tl=tail:
                select_topk(s, v, p, q, k, kpool=kp, topk=t, tail_width=tl, backend="metal"),
-               (_normal((batch, pools), 20), mx.ones((batch, keys), mx.bool_), mx.array([pools] * batch, mx.int32),
-                mx.ones((batch,), mx.bool_)))
+               (_normal((batch, length, pools), 20), mx.ones((batch, keys), mx.bool_),
+                mx.array([pools] * batch, mx.int32), mx.ones((batch, length), mx.bool_)))
 
 
 def indexer_fp32():

@@ -20,7 +20,8 @@ PATCH = Patch(
         "in verify blocks) gathers the "
         "selected latent rows as whole rows instead of a per-element take_along_axis. On a GPU where `glm53-patches verify "
         "dsa_decode` passed, the selection after the pool scores is one kernel launch "
-        "(up to 8,192 pools, 131k keys). Bit-identical to stock."
+        "for a decode token or every position of a verify block (up to 8,192 pools, 131k keys). "
+        "Bit-identical to stock."
     ),
     targets={
         f"{GLM5_NEXT}:Glm5NextIndexer.__call__": lazy(f"{__name__}.decode", "make_call"),

@@ -120,6 +120,7 @@ def _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache
     if not kernel_wanted(backend):
         return None
     batch, pool_count = pool_keys.shape[:2]
+    length = x.shape[1]
     key_count = key_valid.shape[1]
     # The shape gate before any score work: where it declines (e.g. long
     # contexts), the compiled path builds the scores itself, once.
@@ -127,9 +128,9 @@ def _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache
     if reason is None:
         if select_k < pool_count:
             q, weights = self._project_queries(x, q_resid)
-            scores = _lang._score_index_keys(q, pool_keys, weights, self.softmax_scale).reshape(batch, pool_count)
+            scores = _lang._score_index_keys(q, pool_keys, weights, self.softmax_scale)  # [B, L, P]
         else:  # every pool is selected: stock computes no score
-            scores = mx.zeros((batch, pool_count), dtype=mx.float32)
+            scores = mx.zeros((batch, length, pool_count), dtype=mx.float32)
         reason = select_kernel.unsupported(pool_count, key_count, scores.dtype, backend)
     if reason is not None:  # any scores built above are never evaluated
         stats.fallback(f"kernel: {reason} (compiled path ran)")
@@ -138,9 +139,9 @@ def _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache
         pool_limit = pool_cache.offset.astype(mx.int32)
     else:
         pool_limit = mx.full((batch,), pool_count, dtype=mx.int32)
-    stats.hit("indexer kernel")
+    stats.hit("indexer kernel" if length == 1 else "indexer block kernel")
     return select_kernel.select_topk(
-        scores, key_valid, pool_limit, query_valid.reshape(batch), select_k,
+        scores, key_valid, pool_limit, query_valid, select_k,
         kpool=self.index_kpool, topk=self.index_topk, tail_width=tail_width, backend=backend,
     )
 
@@ -171,10 +172,9 @@ def decode_topk(self, x, q_resid, padding_mask=None, cache=None, pool_cache=None
     pool_count = pool_keys.shape[1]
     select_k = min(self.index_topk // kpool, pool_count)
     tail_width = kpool - 1 if self.always_select_tail and kpool > 1 else 0
-    if length == 1:  # the kernel selects for one query
-        topk = _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache, select_k, tail_width)
-        if topk is not None:
-            return topk
+    topk = _kernel_topk(self, x, q_resid, key_valid, query_valid, pool_keys, pool_cache, select_k, tail_width)
+    if topk is not None:
+        return topk
 
     first_key = mx.where(mx.any(key_valid, axis=-1), mx.argmax(key_valid.astype(mx.int32), axis=-1), kv_length)
     if isinstance(pool_cache.offset, mx.array):

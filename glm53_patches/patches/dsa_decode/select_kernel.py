@@ -1,11 +1,16 @@
 """The indexer's decode selection as one GPU launch: pools -> top-k key positions, with the tail.
 
-After the pool scores of one decode token exist, stock (and ``decode_topk``'s
-compiled path) still runs about 25 small kernels per row: the first valid
-key and the visible count over the key-validity row, the candidate mask, a
-full sort of the pools standing in for ``argpartition``, the chronological
-re-sort, the expansion to key positions, the ``-1`` padding and the tail.
-Here one block (threadgroup) of ``WARPS`` warps per batch row does all of it:
+After the pool scores of a decode token (or of each position of a short
+speculative verify block) exist, stock (and ``decode_topk``'s compiled path)
+still runs about 25 small kernels: the first valid key and the visible count
+over the key-validity row, the candidate mask, a full sort of the pools
+standing in for ``argpartition``, the chronological re-sort, the expansion to
+key positions, the ``-1`` padding and the tail. Here one block (threadgroup)
+of ``WARPS`` warps per (batch row, block position) does all of it. Position
+``i`` of an ``L``-token block is key ``T - L + i``: a pool is a candidate only
+where its last key (clipped to the row's last key, as stock clips it) is at
+most that key, and the block's later valid keys are not visible to it
+(``L = 1``, a decode token: every pool the cache holds, every valid key):
 
 1. first valid key and visible count: one pass over the key-validity row,
    shared by the block's threads, then block reductions;
@@ -24,10 +29,10 @@ Here one block (threadgroup) of ``WARPS`` warps per batch row does all of it:
    last whole pool, ``-1`` where not visible).
 
 Integers and comparisons only: no rounding. The selected set equals stock's
-where stock's argpartition is a stable sort (MLX 0.32.x CUDA). An earlier
-one-warp version was checked there by ``glm53-patches verify dsa_decode``;
-this block version has so far run only on the host (``host_check.py``), and
-the Metal twin has not run on any Mac.
+where stock's argpartition is a stable sort (MLX 0.32.x CUDA).
+``glm53-patches verify dsa_decode`` checks it on the machine it runs on; its
+body also runs on the host (``checks/host_check.py``), and the Metal twin
+has not run on any Mac.
 """
 
 from typing import Optional
@@ -51,24 +56,27 @@ METAL_MAX_POOLS = MAX_POOLS - 64
 # primitives (the header's) and thread indices (the source's: Metal adds a
 # thread attribute to the kernel's signature only where the source names it).
 SELECT_BODY = r"""
-  // Template constants: KPOOL, TOPK, TAIL, WARPS. dims = [T (keys), P (pools), K (select_k)].
+  // Template constants: KPOOL, TOPK, TAIL, WARPS. dims = [T (keys), P (pools), K (select_k), L (positions)].
   constexpr int THREADS = 32 * WARPS;
   SEL_SHARED unsigned keys[SEL_KEYS];  // each pool's sort key
   SEL_SHARED int scratch[WARPS];       // one value per warp, for the block's reductions and prefixes
-  const int b = (int)SEL_ROW;
+  const int row = (int)SEL_ROW;        // batch row b, block position i
   const int lane = (int)SEL_LANE;
   const int warp = (int)SEL_WARP;
   const int tid = warp * 32 + lane;    // pool order within a chunk is warp-major, as the ballots count it
   const int T = dims[0];
   const int P = dims[1];
   const int K = dims[2];
+  const int L = dims[3];
+  const int b = row / L;
+  const int i = row - b * L;
   // auto: Metal passes an input of fewer than 8 elements in the constant address space, others in device.
   const auto kv = key_valid + (size_t)b * T;
-  const auto sc = scores + (size_t)b * P;
-  const auto out = topk + (size_t)b * (TOPK + TAIL);
+  const auto sc = scores + (size_t)row * P;
+  const auto out = topk + (size_t)row * (TOPK + TAIL);
   const unsigned below = (1u << lane) - 1u;
 
-  if (!query_valid[b]) {  // the same in every thread: the block leaves together
+  if (!query_valid[row]) {  // the same in every thread: the block leaves together
     for (int s = tid; s < TOPK + TAIL; s += THREADS) {
       out[s] = -1;
     }
@@ -95,8 +103,12 @@ SELECT_BODY = r"""
   }
   first = sel_block_min(first, scratch, lane, warp, WARPS);
   count = sel_block_sum(count, scratch, lane, warp, WARPS);
+  for (int j = i + 1; j < L; ++j) {  // the block's valid keys after this position: not yet visible
+    count -= query_valid[b * L + j] ? 1 : 0;
+  }
   const int limit = pool_limit[b];
   const int last = T - 1 > 0 ? T - 1 : 0;
+  const int position = T - L + i;      // this position's key
 
   // 2. each pool's sort key, once (the search below reads it 34 times); four
   // score loads in flight per thread.
@@ -109,7 +121,7 @@ SELECT_BODY = r"""
     for (int j = 0; j < 4; ++j) {
       const int p = p0 + j * THREADS;
       if (p < P) {
-        keys[p] = pool_sort_key(s[j], pool_candidate(p, first, limit, T, last, KPOOL));
+        keys[p] = pool_sort_key(s[j], pool_candidate(p, first, limit, position, last, KPOOL));
       }
     }
   }
@@ -166,7 +178,7 @@ SELECT_BODY = r"""
       SEL_BARRIER();  // scratch is written again below
       chosen = is_less || (is_equal && rank < equal_wanted);
     }
-    const bool valid = chosen && pool_candidate(p, first, limit, T, last, KPOOL);
+    const bool valid = chosen && pool_candidate(p, first, limit, position, last, KPOOL);
     const unsigned valid_mask = SEL_BALLOT(valid);
     if (lane == 0) {
       scratch[warp] = (int)SEL_POPC(valid_mask);
@@ -197,11 +209,12 @@ SELECT_BODY = r"""
 
 # Stock's candidate test and sort key, and the block reductions, shared by the bodies.
 HELPERS = r"""
-// Pool p is a candidate if the pool cache holds it and its last key is visible.
-SEL_INLINE bool pool_candidate(int p, int first, int limit, int T, int last, int kpool) {
+// Pool p is a candidate if the pool cache holds it and its last key, clipped
+// to the row's last key, is at most the query's key.
+SEL_INLINE bool pool_candidate(int p, int first, int limit, int position, int last, int kpool) {
   int end = first + p * kpool + kpool - 1;
   end = end < 0 ? 0 : (end > last ? last : end);
-  return p < limit && end <= T - 1;
+  return p < limit && end <= position;
 }
 
 // -(candidate ? score : finfo(float32).min) as an unsigned key whose order is
@@ -307,21 +320,22 @@ def unsupported(pool_count, key_count, score_dtype=mx.float32, backend=None) -> 
 
 
 def select_topk(scores, key_valid, pool_limit, query_valid, select_k, *, kpool, topk, tail_width, backend=None):
-    """``[B, 1, topk + tail_width]`` int32 key positions, as stock's indexer returns them at decode.
+    """``[B, L, topk + tail_width]`` int32 key positions, as stock's indexer returns them for a decode token
+    (L = 1) or each position of a short block, whose keys are the last L.
 
-    scores: [B, P] float32 (any values when ``select_k == P``: every pool is
-    selected); key_valid: [B, T] bool; pool_limit: [B] int32 (pools the cache
-    holds); query_valid: [B] bool.
+    scores: [B, L, P] float32 (any values when ``select_k == P``: every pool
+    is selected); key_valid: [B, T] bool; pool_limit: [B] int32 (pools the
+    cache holds); query_valid: [B, L] bool.
     """
     backend = gpu_backend() if backend is None else backend
-    batch, pools = scores.shape
-    dims = mx.array([key_valid.shape[1], pools, select_k], dtype=mx.int32)
+    batch, length, pools = scores.shape
+    dims = mx.array([key_valid.shape[1], pools, select_k, length], dtype=mx.int32)
     threads = 32 * WARPS
     return gpu_kernel(backend=backend, **KERNEL)(
         inputs=[scores, key_valid, pool_limit, query_valid, dims],
         template=[("KPOOL", kpool), ("TOPK", topk), ("TAIL", tail_width), ("WARPS", WARPS)],
-        grid=(batch * threads, 1, 1),
+        grid=(batch * length * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(batch, 1, topk + tail_width)],
+        output_shapes=[(batch, length, topk + tail_width)],
         output_dtypes=[mx.int32],
     )[0]

@@ -3,7 +3,8 @@
 1. a real-dimension indexer (32 heads x 128, pools of 16, 2048 keys) in bf16,
    decode steps from synthetic caches at contexts on both sides of the point
    where it starts selecting (2048 keys) and at 4k/16k, batch 1 and 2, top-k
-   compared exactly;
+   compared exactly; then verify blocks of 2 to 8 tokens from the same
+   contexts, at batch 2 with a padded position;
 2. the attention over the selected latent rows at real dimensions (64 heads,
    latent 512), bf16 (fp32 on the CPU), contexts 4k/16k, batch 1 and 2,
    selections with -1 slots; a decode token, and verify blocks of 4 tokens
@@ -55,22 +56,31 @@ def _caches(config, context, batch, dtype):
     return valid, pool
 
 
-def check_indexer(tally, stock, fast, contexts=(2040, 4096, 16384), batches=(1, 2), dtype=mx.bfloat16, label=""):
+def check_indexer(tally, stock, fast, contexts=(2040, 4096, 16384), batches=(1, 2), dtype=mx.bfloat16, label="",
+                  blocks=False):
+    """STEPS decode tokens from each context; ``blocks``: verify blocks instead, of 2 to 8 tokens (one length
+    per step), with a padded position in a second row."""
     indexer, config = _indexer(dtype)
     for context in contexts:
         for batch in batches:
             outputs = []
             for fn in (stock, fast):
                 valid, pool = _caches(config, context, batch, dtype)
-                steps = []
+                steps, offset = [], context
                 for step in range(STEPS):
+                    length = 2 + step % 7 if blocks else 1
                     key = mx.random.key(1000 * context + step)
-                    x = mx.random.normal((batch, 1, config.hidden_size), key=key).astype(dtype)
-                    q_resid = mx.random.normal((batch, 1, config.q_lora_rank), key=key).astype(dtype)
-                    steps.append(fn(indexer, x, q_resid, None, valid, pool, context + step))
+                    x = mx.random.normal((batch, length, config.hidden_size), key=key).astype(dtype)
+                    q_resid = mx.random.normal((batch, length, config.q_lora_rank), key=key).astype(dtype)
+                    mask = None
+                    if blocks and batch > 1:
+                        mask = mx.array([[r == 0 or i != step % length for i in range(length)] for r in range(batch)])
+                    steps.append(fn(indexer, x, q_resid, mask, valid, pool, offset))
                     mx.eval(steps[-1])
+                    offset += length
                 outputs.append(steps)
-            tally.compare(f"{label}indexer {dtype} ctx {context} B={batch}", *outputs)
+            what = "blocks of 2-8" if blocks else "tokens"
+            tally.compare(f"{label}indexer {dtype} ctx {context} B={batch} {what}", *outputs)
 
 
 def _attention(dtype, context, batch, length=1):
@@ -153,15 +163,17 @@ def verify():
     before = PATCH.stats.snapshot()["hits"]
     gpu = registry.backend() in PATCH.kernels_on
     with switch.forcing(False):  # the compiled selection
-        check_indexer(tally, stock, make_call(stock))
+        for blocks in (False, True):
+            check_indexer(tally, stock, make_call(stock), blocks=blocks)
         check_attend(tally, stock_attend, make_attend(stock_attend))
         check_model(tally, (stock, stock_attend), (make_call(stock), make_attend(stock_attend)))
     if gpu:  # the one-launch selection kernel
         with switch.forcing(True):
-            check_indexer(tally, stock, make_call(stock), contexts=KERNEL_CONTEXTS, label="kernel ")
+            for blocks in (False, True):
+                check_indexer(tally, stock, make_call(stock), contexts=KERNEL_CONTEXTS, label="kernel ", blocks=blocks)
             check_model(tally, (stock, stock_attend), (make_call(stock), make_attend(stock_attend)), label="kernel ")
     after = PATCH.stats.snapshot()["hits"]
-    paths = ("indexer", "attend") + (("indexer kernel",) if gpu else ())
+    paths = ("indexer", "indexer block", "attend") + (("indexer kernel", "indexer block kernel") if gpu else ())
     for path in paths:  # equal outputs prove nothing if stock ran both times
         if after.get(path, 0) == before.get(path, 0):
             tally.mismatches.append(f"the {path} fast path never ran")
