@@ -32,14 +32,15 @@ VERIFIED_S28 = {
 
 # Kernels as they passed `verify` on an H100 (sm_90 like the H200), recorded from that code the same way.
 # A change here needs that CUDA verify again.
-# - block_qmv: s34, 53 cases, code digest 119594fb9efd; again in s35 after the Metal twin, code digest a15995c7ce76.
+# - block_qmv: s34, 53 cases, code digest 119594fb9efd; again in s35 after the Metal twin, code digest a15995c7ce76;
+#   s44 with s42's narrower projections, 59 cases, code digest c1215e0deb55.
 # - routed_experts: the weights as the MMA's A operand, s41, 24 cases, code digest d5bc2540797f (s37's
 #   side-by-side kernel before it: 26 cases, 1c92c91bb6e8, launch e7752bbe06ed...; s36's: 34 cases, 8f0583f2a930,
 #   launch 049d2749752a...).
 # - kda_verify_kernel: written in s37 without a GPU, verified in s38: 18 cases (one inconclusive: stock not
 #   repeatable at 8-bit, padded batch 3), code digest ba3e6b817777.
-# - dsa_decode: s44's selection over each position of a verify block (one launch for L positions; L = 1 is the
-#   decode token s32 verified, code digest 60c672c549d1, launch 335d96af9fb8...). Its CUDA verify is pending.
+# - dsa_decode: the selection over each position of a verify block, s44, 52 cases, code digest c243d94eae51 (the
+#   one-row kernel before it: s32, code digest 60c672c549d1, launch 335d96af9fb8...).
 VERIFIED_H100 = {
     "dsa_decode": "d7ac80fc619206980774120401ad64ecebc1796b6da67619f6f873c4b604ac98",
     "block_qmv": "fb3bc7ce590cb9ff3bee97cd28f3bcf2e90fb3f2bc6ab9633b07d85ee62a9b29",
