@@ -3,9 +3,12 @@
 # each (a call returns at most 8 files). .whl = main (dsa_decode's selection kernel over a verify block's
 # positions); .whl1 = main before it (b258c63: s42's narrower widths, one-row selection kernel).
 # v: `verify dsa_decode` at once; beside it block_qmv's ~100 instantiations compiled 12 processes at a time
-#    (precompile_block_qmv.py; s35 to s43: a cold `verify block_qmv` compiles them one by one and never
-#    ended inside 430 s), then `verify block_qmv` and a warm pass of arm D at blocks of 1 to 4 on that cache.
+#    (precompile_block_qmv.py; s43 guessed they were why a cold `verify block_qmv` never ended inside
+#    430 s), then `verify block_qmv` and a warm pass of arm D at blocks of 1 to 4 on that cache.
 # t: whole blocks of 1 to 4 tokens, arm D, separate processes, site1 (.whl1) and site (.whl) in turn.
+# Ran in s44: verify dsa_decode passed; the 97 instantiations took 36 s (1.5-3.6 s each), and the cold
+# verify block_qmv still ran out (MLX compiling stock's kernels for the tiny models), then passed in 148 s
+# when run again alone on that cache; t gave 1.60-1.62x at L = 4 against 1.71-1.74x before.
 # Usage: h200-s44.sh v|t BUDGET
 PART=$1
 BUDGET=${2:-560}
