@@ -167,6 +167,29 @@ def test_without_mlx_metal_headers_metal_leaves_it_to_stock(monkeypatch, applied
         kernel.metal_header.cache_clear()
 
 
+def test_the_kernel_reads_the_block_in_place(monkeypatch):
+    """The kernel is handed a view of the block's rows. MLX indexes with an integer (``x[0]``) through
+    ``take``: a Gather, one more kernel per projection for the thread to encode (s44's layer probe: 293
+    of them in a verify block)."""
+    from glm53_patches.bench import measure
+
+    seen = []
+
+    def recorder(x, w, scales, biases, bits, group_size, backend):
+        seen.append(measure.count_primitives([x])["by_primitive"])
+        return mx.zeros((x.shape[0], w.shape[0]), x.dtype)
+
+    monkeypatch.setattr(linear, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernel, "block_qmv", recorder)
+    layer = quantized(256, 512)
+    layer.eval()
+    block = mx.zeros((1, 3, 512), mx.bfloat16)
+    mx.eval(block)
+    with linear.switch.forcing(True):
+        assert linear.project(layer, block).shape == (1, 3, 256)
+    assert seen == [{"Squeeze": 1}]
+
+
 def run_pretending(monkeypatch, model, names, backend="cuda"):
     """The verify blocks with ``names`` applied (their counters reset) and the kernel forced on, ``backend``
     pretended for the wrapper; the "kernel" records what it is handed and returns stock's own singleton

@@ -83,7 +83,8 @@ def project(module, x):
         stats.fallback(reason)
         return None
     stats.hit("kernel")
-    out = kernel.block_qmv(x[0], module["weight"], module["scales"], module["biases"], module.bits,
+    # squeeze, not x[0]: MLX indexes with an integer through `take`, a Gather kernel per projection
+    out = kernel.block_qmv(x.squeeze(0), module["weight"], module["scales"], module["biases"], module.bits,
                            module.group_size, backend=backend)[None]
     if "bias" in module:
         out = out + module["bias"]
