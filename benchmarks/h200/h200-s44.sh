@@ -14,8 +14,6 @@ PART=$1
 BUDGET=${2:-560}
 HERE="$(dirname "$0")"
 . "$HERE/stages.sh"
-D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
-PROBE=($PY "$HERE/probe_verify_layers.py" --arms $D --context 4096 ${PROBE_EXTRA:-})
 case $PART in
 v)
   VERIFY_LIMIT=$(( BUDGET - 20 )) verify_all dsa_decode &
@@ -24,13 +22,13 @@ v)
    for d in verify_block_qmv warm; do mkdir -p $ROOT/ptx-$d && cp -rn $ROOT/ptx-pre/. $ROOT/ptx-$d/ 2>/dev/null; done
    VERIFY_LIMIT=$(( $(left) - 15 )) verify_all block_qmv &
    (force_kernels; export MLX_PTX_CACHE_DIR=$ROOT/ptx-warm
-    stage warm $(( $(left) - 15 )) "${PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json) &
+    stage warm $(( $(left) - 15 )) "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json) &
    wait) &
   wait
   merge_ptx ;;
 t)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
   force_kernels
-  rotate "site1 site" "${PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
+  rotate "site1 site" "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
 esac
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt

@@ -14,14 +14,12 @@ PART=$1
 BUDGET=${2:-560}
 HERE="$(dirname "$0")"
 . "$HERE/stages.sh"
-D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
-PROBE=($PY "$HERE/probe_verify_layers.py" --arms $D --context 4096 ${PROBE_EXTRA:-})
 case $PART in
 l)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
   stage precompile 120 $PY "$HERE/precompile_block_qmv.py" --jobs ${JOBS:-12} --real-positions 2
   force_kernels
-  stage layers $(( $(left) - 10 )) "${PROBE[@]}" --blocks 1,2 --blocks-timed 4 --out $RES/layers.json ;;
+  stage layers $(( $(left) - 10 )) "${BLOCK_PROBE[@]}" --blocks 1,2 --blocks-timed 4 --out $RES/layers.json ;;
 v)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx-verify_block_qmv
   stage precompile 120 $PY "$HERE/precompile_block_qmv.py" --jobs ${JOBS:-12}
@@ -29,7 +27,7 @@ v)
 t)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
   force_kernels
-  stage warm 240 "${PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json
-  rotate "site1 site" "${PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
+  stage warm 240 "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json
+  rotate "site1 site" "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
 esac
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt

@@ -17,6 +17,10 @@ PY="python3 -X faulthandler"
 B="$PY -m glm53_patches.bench $EXTRA"
 W="--rounds 1 --steps 1 --warmup 0 --check-steps 1 --no-png --quiet"  # a warm-up run: compiles, times nothing
 
+# Arm D of the verify-block probes (s40 on): every exact decode patch, and each one's kernel in force_kernels.
+ARM_D=compiled_kda_decode+fused_kda_kernel+hc_decode+router_select+expert_combine+dsa_decode+layer_decode+block_qmv+kda_verify_kernel+routed_experts
+BLOCK_PROBE=($PY "$(dirname "${BASH_SOURCE[0]}")/probe_verify_layers.py" --arms $ARM_D --context 4096 ${PROBE_EXTRA:-})
+
 force_kernels() {  # every decode kernel on, verified here or not (timing runs; `verify` forces its own)
   export GLM53_HC_DECODE_KERNEL=1 GLM53_FUSED_KDA_KERNEL_KERNEL=1 GLM53_ROUTER_SELECT_KERNEL=1 \
     GLM53_EXPERT_COMBINE_KERNEL=1 GLM53_DSA_DECODE_KERNEL=1 GLM53_BLOCK_QMV_KERNEL=1 GLM53_ROUTED_EXPERTS_KERNEL=1 \
