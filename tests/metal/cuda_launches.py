@@ -186,6 +186,7 @@ def _routed_experts():
 
 
 def _kda_verify():
+    from glm53_patches.patches.fused_kda_kernel import kernel as fused
     from glm53_patches.patches.kda_verify_kernel import kernel
 
     for batch, length, heads, dim, steps in ((1, 4, 64, 128, 3), (3, 8, 4, 64, 7), (1, 1, 64, 128, None), (2, 2, 4, 64, 2)):
@@ -195,6 +196,17 @@ def _kda_verify():
         for mask in (None, mx.ones((batch, length), mx.bool_)):
             for fma_state in (0, 1):
                 kernel.delta_block(q, q, q, _normal(shape, 32), beta, state, mask, steps, fma_state=fma_state)
+    bf = mx.bfloat16
+    for batch, length, heads, dim, steps in ((1, 4, 64, 128, 3), (3, 8, 4, 64, 7), (1, 1, 64, 128, None)):
+        channels, taps = 3 * heads * dim, 4
+        consts, scales = fused.constants(1e-6 / dim, 1e-5, -5.0, dim**-0.5)
+        inputs = [_normal((batch, taps - 1 + length, channels), 33, bf), _normal((channels, taps), 34, bf),
+                  _normal((batch, length, heads * dim), 35, bf), _normal((batch, length, heads), 36, bf),
+                  _normal((batch, length, heads * dim), 37, bf), _normal((batch, heads, dim, dim), 38),
+                  _normal((heads,), 39), _normal((heads * dim,), 40), _normal((dim,), 41, bf), consts, scales]
+        for mask in (None, mx.ones((batch, length), mx.bool_)):
+            for fma in (None, (1, 0)):
+                kernel.mixer_block(*inputs, mask, steps, fma=fma)
 
 
 PATCHES = {

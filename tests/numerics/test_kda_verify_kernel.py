@@ -23,12 +23,12 @@ There is no GPU here, so:
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_vlm.models.gated_delta import gated_delta_ops
+from mlx_vlm.models.gated_delta import compute_g_safe, gated_delta_ops
 from mlx_vlm.models.glm5_next import language
 
 import glm53_patches
 from glm53_patches.patches import kda_verify_kernel
-from glm53_patches.patches.kda_verify_kernel import kernel, recurrence
+from glm53_patches.patches.kda_verify_kernel import kernel, mixer, recurrence
 from glm53_patches.patches.kda_verify_kernel.checks import host_check
 from glm53_patches.tiny_model import build_model, greedy_logits, speculative_logits, speculative_outputs
 from test_exact_qmv import assert_bitwise  # the same bit-for-bit list comparison
@@ -178,6 +178,48 @@ def test_fma_state_is_the_kernels_setting(tmp_path):
     assert not np.array_equal(fused[2].view(np.uint32), apart[2].view(np.uint32))
 
 
+@pytest.mark.parametrize("batch,length,heads,dim,masked,fma", [
+    (1, 4, 2, 32, False, (1, 1)),  # a verify block of 4
+    (2, 3, 1, 64, True, (0, 1)),  # a masked token in the second row; sums of squares without fma
+    (1, 8, 2, 16, False, (1, 0)),  # the longest block, more tokens than warps
+    (2, 2, 1, 128, True, (1, 1)),  # GLM-5.3-Flash's head dim; the second row masked throughout
+])
+def test_the_mixer_kernel_is_fused_kda_kernels_step_token_by_token(tmp_path, batch, length, heads, dim, masked, fma):
+    """A block through the mixer kernel is, bit for bit, fused_kda_kernel's one-token kernel (verified against
+    stock's step) run token by token, the conv window and the state carried over: every output, every recorded
+    state, the final state, and the window the block leaves (the last taps - 1 rows of its conv input)."""
+    inputs = host_check.mixer_inputs(batch, length, heads, dim, seed=length + dim)
+    conv_input, conv_w, a, beta_logit, gate, state, *rest = inputs
+    mask = None
+    if masked:
+        mask = mx.array([[True] * length, [t == 1 for t in range(length)] if length > 2 else [False] * length])
+    out, final, states = host_check.run_mixer(tmp_path, *inputs, mask=mask, state_steps=length, fma=fma)
+    assert not np.any(out == 0xC0E0) and not np.any(final == -7.0), "a value the kernel never wrote"  # bf16(-7)
+    taps = conv_w.shape[1]
+    window, current = conv_input[:, : taps - 1], state
+    for t in range(length):
+        out_t, current, window_bits = host_check.run_fused_token(
+            tmp_path, conv_input[:, taps - 1 + t], window, conv_w, a[:, t], beta_logit[:, t], gate[:, t], current,
+            *rest, mask=None if mask is None else mask[:, t], fma=fma)
+        assert np.array_equal(out[:, t], out_t), f"output at token {t}"
+        assert np.array_equal(states[:, t].view(np.uint32), current.view(np.uint32)), f"state after token {t}"
+        current, window = mx.array(current), mx.array(window_bits).view(mx.bfloat16)
+    assert np.array_equal(final.view(np.uint32), states[:, -1].view(np.uint32))
+    assert np.array_equal(np.array(window.view(mx.uint16)), np.array(conv_input[:, length:].view(mx.uint16)))
+    if masked:  # the second row's masked tokens left its state as it came
+        kept = [t for t in range(length) if not mask[1, t].item()]
+        before = np.array(state[1]) if kept[0] == 0 else states[1, kept[0] - 1]
+        assert np.array_equal(states[1, kept[0]].view(np.uint32), before.view(np.uint32))
+
+
+def test_the_mixer_kernels_fma_state_reaches_its_arithmetic(tmp_path):
+    """FMA_STATE changes the mixer kernel's rounding somewhere: the setting is wired. (FMA_NORM cannot show: the
+    norms square bf16 values, whose squares float32 holds exactly, so an fma rounds them as a multiply-add does.)"""
+    inputs = host_check.mixer_inputs(1, 4, 2, 64, seed=5)
+    fused, apart = (host_check.run_mixer(tmp_path, *inputs, state_steps=3, fma=(1, fma_state)) for fma_state in (1, 0))
+    assert not np.array_equal(fused[2].view(np.uint32), apart[2].view(np.uint32))
+
+
 # -- the wrapper, CUDA pretended -----------------------------------------------------------------
 
 
@@ -236,3 +278,65 @@ def test_verify_on_the_cpu_says_it_steps_aside():
     result = verify()
     assert result["exact"] and result["cases"] >= 4
     assert "steps aside" in result["detail"]
+
+
+def stock_mixer(conv_input, conv_w, a, beta_logit, gate, state, A_log, dt_bias, o_weight, consts, scales, mask=None,
+                state_steps=None):
+    """``kernel.mixer_block`` in stock's ops (glm5_next's ShortConv1d and mixer after the projections)."""
+    batch, heads, dim = state.shape[0], state.shape[1], state.shape[-1]
+    length = conv_input.shape[1] - conv_w.shape[1] + 1
+    shape = (batch, length, heads, dim)
+    qkv = mx.conv1d(conv_input, conv_w[..., None], groups=conv_w.shape[0])
+    q, k, v = (value.reshape(shape) for value in mx.split(qkv * mx.sigmoid(qkv), 3, axis=-1))
+    eps = consts[0].item()
+    q, k = scales[0] * mx.fast.rms_norm(q, None, eps), scales[1] * mx.fast.rms_norm(k, None, eps)
+    g = compute_g_safe(A_log.reshape(heads, 1), a.reshape(shape), dt_bias.reshape(heads, dim), consts[2].item())
+    y, new_state, *states = gated_delta_ops(q, k, v, g, mx.sigmoid(beta_logit), state, mask, state_steps)
+    out = mx.fast.rms_norm(y, o_weight, consts[1].item()) * mx.sigmoid(gate.reshape(shape))
+    return (out.reshape(batch, length, -1), new_state, *states)
+
+
+def run_mixer_pretending(monkeypatch, model, names, stand_in=stock_mixer):
+    """``outputs(model)`` with ``names`` applied, CUDA pretended, the mixer kernel answered by ``stand_in``; the
+    block lengths, history lengths and masks it got."""
+    seen = []
+
+    def recorded(*args, **kwargs):
+        seen.append((args[2].shape[1], args[-1] if len(args) > 12 else kwargs.get("state_steps"), args[11] is not None))
+        return stand_in(*args, **kwargs)
+
+    monkeypatch.setattr(mixer, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernel, "mixer_block", recorded)
+    for name in names:
+        glm53_patches.registry.available()[name].stats.reset()
+    glm53_patches.enable(names, strict=True)
+    try:
+        with recurrence.switch.forcing(True):
+            return outputs(model), seen
+    finally:
+        glm53_patches.disable()
+
+
+@pytest.mark.parametrize("names", [[NAME], ["compiled_kda_decode", NAME, "layer_decode"]])
+def test_the_mixer_wrapper_hands_the_kernel_stocks_block(monkeypatch, model, stock_outputs, names):
+    """Blocks through the mixer wrapper, its kernel answered by stock's ops on what it is handed, stay bit for bit
+    (logits and the caches after rollback): the front, the conv input the cache records, the state, the mask and
+    the history length are stock's."""
+    actual, seen = run_mixer_pretending(monkeypatch, model, names)
+    assert_bitwise(stock_outputs, actual, f"verify blocks through the mixer, {'+'.join(names)}, answered by stock")
+    assert {length for length, *_ in seen} == set(range(2, 9))  # every verify block, and no decode token
+    assert any(steps for _, steps, _ in seen) and any(masked for *_, masked in seen)
+    hits, fallbacks = counts()
+    assert hits.get("block kernel") and not [f for f in fallbacks if f.startswith("verify block")]
+
+
+def test_a_mixer_stand_in_that_drops_the_gate_is_caught(monkeypatch, model, stock_outputs):
+    """The comparison above can fail: a kernel that skipped sigmoid(gate) changes the logits."""
+    def ungated(*args, **kwargs):
+        args = list(args)
+        args[4] = mx.full(args[4].shape, 30.0, args[4].dtype)  # sigmoid(30) rounds to 1 in bf16
+        return stock_mixer(*args, **kwargs)
+
+    actual, _ = run_mixer_pretending(monkeypatch, model, [NAME], stand_in=ungated)
+    assert not all(np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+                   for a, b in zip(stock_outputs, actual))

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The s46 device plan (issue 16), two calls on one machine; the caller tars /root/res into $OUT.
+# v: the CUDA verifies the code needs, side by side (each its own state folder and kernel cache), after
+#    block_qmv's instantiations are compiled (12 processes; s44: 36 s):
+#    - block_qmv on the view (31cc019, code digest b8a9b9733d68), never verified;
+#    - kda_verify_kernel with its mixer kernel (a verify block's whole KDA mixer in one launch), new;
+#    and cuDNN's depthwise conv order at block lengths 1-8 (probe_conv_order.py), which the mixer kernel's
+#    in-order conv assumes.
+# t: a warm pass of main, then whole blocks of 1 to 4 tokens, arm D, separate processes, in turn:
+#    site1 (.whl1 = 4a2afac, s44's measured code), site2 (.whl2 = the Gathers removed, 31cc019's code) and
+#    site (.whl = main, with the mixer kernel).
+# Usage: h200-s46.sh v|t BUDGET
+PART=$1
+BUDGET=${2:-560}
+HERE="$(dirname "$0")"
+. "$HERE/stages.sh"
+case $PART in
+v)
+  export MLX_PTX_CACHE_DIR=$ROOT/ptx-verify_block_qmv
+  stage precompile 120 $PY "$HERE/precompile_block_qmv.py" --jobs ${JOBS:-12}
+  stage conv_order 60 $PY "$HERE/probe_conv_order.py"
+  VERIFY_LIMIT=$(( $(left) - 15 )) verify_all block_qmv kda_verify_kernel ;;
+t)
+  export MLX_PTX_CACHE_DIR=$ROOT/ptx
+  force_kernels
+  stage warm 240 "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json
+  rotate "site1 site2 site" "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
+esac
+echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
