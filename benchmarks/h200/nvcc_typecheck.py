@@ -5,8 +5,9 @@ header, then ``__global__ void NAME(inputs, [x_shape,] outputs)`` whose body
 declares the template arguments and holds the source. This builds the same
 text for block_qmv (every width, 2/4/7 positions, 1 and 2 rows per warp),
 routed_experts (both expert shapes, an input per route or per 8, its launch,
-load-ahead and dequantization variants), kda_verify_kernel (both head shapes, 1, 4 and 8 tokens, with and
-without history, fma and mask variants) and, as a control, exact_qmv's verified kernel,
+load-ahead and dequantization variants), kda_verify_kernel (its recurrence and its mixer kernel: both head
+shapes, 1, 4 and 8 tokens, with and without history, fma and mask variants) and, as a control, exact_qmv's
+verified kernel,
 with a small stand-in for MLX's default header (``Shape``), and compiles it
 for sm_90 with nvcc against the cutlass headers of MLX's CUDA wheel.
 ``--ptxas`` prints registers and spills. s35: 89 kernels, rc 0.
@@ -39,6 +40,7 @@ struct Shape { int32_t v[8]; __device__ int32_t operator[](int i) const { return
 CUDA_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 _HEADERS = set()  # headers already in the file
 RECURRENCE_TYPES = {"g": "float", "state": "float", "mask": "bool", "state_out": "float", "states": "float"}
+MIXER_TYPES = {**RECURRENCE_TYPES, "A_log": "float", "dt_bias": "float", "consts": "float"}
 
 
 def unit(index, spec, template, types=None):
@@ -56,7 +58,7 @@ def unit(index, spec, template, types=None):
             params.append(f"const __grid_constant__ Shape {arg}_shape")
     params += [f"{types.get(out, t)}* {out}" for out in spec["outputs"]]
     shared = header and "glm53_qmv" not in header  # a header without a namespace to rename: once per file
-    text = "" if shared and header in _HEADERS else (header or "")
+    text = "" if shared and any(header in seen for seen in _HEADERS) else (header or "")
     _HEADERS.add(header)
     text += "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
     text += f"__global__ void {name}({', '.join(params)}) {{\n"
@@ -67,6 +69,11 @@ def unit(index, spec, template, types=None):
 
 def units():
     out = []
+    for (heads, dim), tokens, steps, fma, has_mask in itertools.product(  # first: its header holds the recurrence's
+            ((64, 128), (4, 64)), (1, 4, 8), (0, 3), ((1, 1), (1, 0)), (0, 1)):
+        out.append((recurrence.MIXER_KERNEL, [("H", heads), ("D", dim), ("TOKENS", tokens), ("STEPS", min(steps, tokens)),
+                                              ("KC", 4), ("FMA_NORM", fma[0]), ("FMA_STATE", fma[1]),
+                                              ("HAS_MASK", has_mask)], MIXER_TYPES))
     for t, bits, positions, rpw in itertools.product(CUDA_TYPES.values(), (2, 3, 4, 5, 6, 8), (2, 4, 7), (1, 2)):
         out.append((block.BLOCK_QMV, [("T", t), ("BITS", bits), ("GROUP", 64), ("K", 4096), ("POSITIONS", positions),
                                       ("WARPS", block.WARPS), ("RPW", rpw)]))
@@ -87,11 +94,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--include", required=True, help="the include folder of MLX's CUDA wheel (cutlass)")
     parser.add_argument("--ptxas", action="store_true", help="print registers and spills per kernel")
+    parser.add_argument("--mlx-source", help="a folder with MLX's mlx/backend/cuda/device headers (the mixer kernel's)")
     args = parser.parse_args()
     folder = pathlib.Path(tempfile.mkdtemp())
     (folder / "kernels.cu").write_text(STAND_IN + "\n".join(unit(i, *u) for i, u in enumerate(units())))
     command = ["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-o", str(folder / "kernels.o"), f"-I{args.include}",
                "--expt-relaxed-constexpr", str(folder / "kernels.cu")] + (["-Xptxas", "-v"] if args.ptxas else [])
+    command += [f"-I{args.mlx_source}"] if args.mlx_source else []
     result = subprocess.run(command, capture_output=True, text=True)
     for line in result.stderr.splitlines():
         if result.returncode or "registers" in line or "spill" in line or "Compiling entry" in line:
