@@ -10,7 +10,8 @@
 #    main before 31cc019, the same kernels) and site (.whl = main) in turn; right after v, on its cache.
 #    First, cuDNN's depthwise conv order at verify-block lengths 1-8 (probe_conv_order.py, ~20 s): whether
 #    fused_kda_kernel's in-order conv would stay exact over a block.
-# Ran in s44: l (the table in BENCHMARKS.md, s44, that found the Gathers).
+# Ran in s44: l (the table in BENCHMARKS.md, s44, that found the Gathers). v and t never ran: h200-s46.sh took
+# them over.
 # Usage: h200-s45.sh l|v|t BUDGET
 PART=$1
 BUDGET=${2:-560}

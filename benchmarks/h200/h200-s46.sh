@@ -9,6 +9,10 @@
 # t: a warm pass of main, then whole blocks of 1 to 4 tokens, arm D, separate processes, in turn:
 #    site1 (.whl1 = 4a2afac, s44's measured code), site2 (.whl2 = the Gathers removed, 31cc019's code) and
 #    site (.whl = main, with the mixer kernel).
+# Ran in s46 (BENCHMARKS.md, s46): v (kda_verify_kernel passed, 30 cases; block_qmv cut off at 447 s with 43 of
+# 59 cases exact; the conv in order at every length), t with BUDGET 420 (one process per package: the counts
+# exact, the times too noisy to decide), then inline `verify_all block_qmv` (cut off at 210 s) and one more
+# site2 process.
 # Usage: h200-s46.sh v|t BUDGET
 PART=$1
 BUDGET=${2:-560}

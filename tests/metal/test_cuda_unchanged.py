@@ -38,13 +38,15 @@ VERIFIED_S28 = {
 #   side-by-side kernel before it: 26 cases, 1c92c91bb6e8, launch e7752bbe06ed...; s36's: 34 cases, 8f0583f2a930,
 #   launch 049d2749752a...).
 # - kda_verify_kernel: written in s37 without a GPU, verified in s38: 18 cases (one inconclusive: stock not
-#   repeatable at 8-bit, padded batch 3), code digest ba3e6b817777, launch 7135bc24e5d7.... s46 added the mixer
-#   kernel and moved the recurrence's text behind macros: not verified yet, so not pinned.
+#   repeatable at 8-bit, padded batch 3), code digest ba3e6b817777, launch 7135bc24e5d7...; with s46's mixer
+#   kernel (the recurrence's text behind macros both kernels share): 30 cases (two inconclusive, the same case
+#   for each kernel), code digest b6c49e7534c1.
 # - dsa_decode: the selection over each position of a verify block, s44, 52 cases, code digest c243d94eae51 (the
 #   one-row kernel before it: s32, code digest 60c672c549d1, launch 335d96af9fb8...).
 VERIFIED_H100 = {
     "dsa_decode": "d7ac80fc619206980774120401ad64ecebc1796b6da67619f6f873c4b604ac98",
     "block_qmv": "fb3bc7ce590cb9ff3bee97cd28f3bcf2e90fb3f2bc6ab9633b07d85ee62a9b29",
+    "kda_verify_kernel": "ba9751bd9a555d20fe696a68a3ed1d6ffeddd1d32a310c3ae1d2bdce3983c142",
     "routed_experts": "2fa1c13c93e8be44b7d987b76227605aec3861ce8aaf6ca47ef49e72dbf8558b",
 }
 
