@@ -223,27 +223,31 @@ def test_the_mixer_kernels_fma_state_reaches_its_arithmetic(tmp_path):
 # -- the wrapper, CUDA pretended -----------------------------------------------------------------
 
 
-def run_pretending(monkeypatch, model, names, stand_in=None):
-    """``outputs(model)`` with ``names`` applied, CUDA pretended and the kernel answered by ``stand_in``
-    (default: stock's gated_delta_ops on what the kernel is handed); also the calls it got."""
-    from glm53_patches import registry
+def pretending(monkeypatch, model, names, wrapper, kernel_name, answer):
+    """``outputs(model)`` with ``names`` applied, CUDA pretended to ``wrapper`` (the recurrence or the mixer
+    module) and ``kernel.<kernel_name>`` answered by ``answer``."""
+    monkeypatch.setattr(wrapper, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernel, kernel_name, answer)
+    for name in names:
+        glm53_patches.registry.available()[name].stats.reset()
+    glm53_patches.enable(names, strict=True)
+    try:
+        with recurrence.switch.forcing(True):
+            return outputs(model)
+    finally:
+        glm53_patches.disable()
 
+
+def run_pretending(monkeypatch, model, names, stand_in=None):
+    """``outputs(model)`` with ``names`` applied, CUDA pretended and the recurrence kernel answered by ``stand_in``
+    (default: stock's gated_delta_ops on what the kernel is handed); also the calls it got."""
     seen = []
 
     def stock_ops(q, k, v, g, beta, state, mask=None, state_steps=None):
         seen.append((q.shape[1], state_steps, mask is not None))
         return gated_delta_ops(q, k, v, g, beta, state, mask, state_steps)
 
-    monkeypatch.setattr(recurrence, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernel, "delta_block", stand_in or stock_ops)
-    for name in names:
-        registry.available()[name].stats.reset()
-    glm53_patches.enable(names, strict=True)
-    try:
-        with recurrence.switch.forcing(True):
-            return outputs(model), seen
-    finally:
-        glm53_patches.disable()
+    return pretending(monkeypatch, model, names, recurrence, "delta_block", stand_in or stock_ops), seen
 
 
 @pytest.mark.parametrize("names", [[NAME], ["compiled_kda_decode", NAME], ["compiled_kda_decode", NAME,
@@ -301,20 +305,11 @@ def run_mixer_pretending(monkeypatch, model, names, stand_in=stock_mixer):
     block lengths, history lengths and masks it got."""
     seen = []
 
-    def recorded(*args, **kwargs):
-        seen.append((args[2].shape[1], args[-1] if len(args) > 12 else kwargs.get("state_steps"), args[11] is not None))
-        return stand_in(*args, **kwargs)
+    def recorded(*args):  # mixer.py passes every argument by position, mask and state_steps last
+        seen.append((args[2].shape[1], args[12], args[11] is not None))
+        return stand_in(*args)
 
-    monkeypatch.setattr(mixer, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernel, "mixer_block", recorded)
-    for name in names:
-        glm53_patches.registry.available()[name].stats.reset()
-    glm53_patches.enable(names, strict=True)
-    try:
-        with recurrence.switch.forcing(True):
-            return outputs(model), seen
-    finally:
-        glm53_patches.disable()
+    return pretending(monkeypatch, model, names, mixer, "mixer_block", recorded), seen
 
 
 @pytest.mark.parametrize("names", [[NAME], ["compiled_kda_decode", NAME, "layer_decode"]])
