@@ -84,15 +84,16 @@ def test_on_the_cpu_stock_runs_bit_for_bit(model, stock_outputs, applied):
     assert set(fallbacks) == {"no CUDA"} and fallbacks["no CUDA"] >= 20  # KDA layers x steps and blocks
 
 
-def test_revert_restores_the_original_function():
+def test_revert_restores_the_original_functions():
     glm53_patches.disable()
-    original = vars(language)["gated_delta_update"]
+    owners = ((language, "gated_delta_update"), (language.Glm5NextLinearAttention, "__call__"))
+    originals = [vars(owner)[name] for owner, name in owners]
     glm53_patches.enable([NAME])
     try:
-        assert vars(language)["gated_delta_update"] is not original
+        assert all(vars(owner)[name] is not original for (owner, name), original in zip(owners, originals))
     finally:
         glm53_patches.disable()
-    assert vars(language)["gated_delta_update"] is original
+    assert all(vars(owner)[name] is original for (owner, name), original in zip(owners, originals))
 
 
 def test_coverage():
@@ -335,3 +336,19 @@ def test_a_mixer_stand_in_that_drops_the_gate_is_caught(monkeypatch, model, stoc
     actual, _ = run_mixer_pretending(monkeypatch, model, [NAME], stand_in=ungated)
     assert not all(np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
                    for a, b in zip(stock_outputs, actual))
+
+
+def test_blocks_the_mixer_kernel_does_not_cover_go_on_counted(monkeypatch):
+    """A float32 model's blocks are not the mixer kernel's (it reads bf16): each is counted by reason and runs the
+    installed code below, bit for bit stock's, and the kernel is never called."""
+    model = build_model(seed=3).language_model
+    glm53_patches.disable()
+    expected = outputs(model)
+
+    def never(*args):
+        raise AssertionError("the mixer kernel was called for a float32 block")
+
+    actual = pretending(monkeypatch, model, [NAME], mixer, "mixer_block", never)
+    assert_bitwise(expected, actual, "float32 verify blocks past the mixer wrapper")
+    hits, fallbacks = counts()
+    assert "block kernel" not in hits and fallbacks.get("verify block: dtype", 0) >= 10
