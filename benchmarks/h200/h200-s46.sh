@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The s46 device plan (issue 16), two calls on one machine; the caller tars /root/res into $OUT.
+# The s45 device plan (issue 16), two calls on one machine; the caller tars /root/res into $OUT.
 # v: the CUDA verifies the code needs, side by side (each its own state folder and kernel cache), after
 #    block_qmv's instantiations are compiled (12 processes; s44: 36 s):
 #    - block_qmv on the view (31cc019, code digest b8a9b9733d68), never verified;
@@ -9,7 +9,7 @@
 # t: a warm pass of main, then whole blocks of 1 to 4 tokens, arm D, separate processes, in turn:
 #    site1 (.whl1 = 4a2afac, s44's measured code), site2 (.whl2 = the Gathers removed, 31cc019's code) and
 #    site (.whl = main, with the mixer kernel).
-# Ran in s46 (BENCHMARKS.md, s46): v (kda_verify_kernel passed, 30 cases; block_qmv cut off at 447 s with 43 of
+# Ran in s45 (BENCHMARKS.md, s45): v (kda_verify_kernel passed, 30 cases; block_qmv cut off at 447 s with 43 of
 # 59 cases exact; the conv in order at every length), t with BUDGET 420 (one process per package: the counts
 # exact, the times too noisy to decide), then inline `verify_all block_qmv` (cut off at 210 s) and one more
 # site2 process.

@@ -10,10 +10,14 @@ shapes, 1, 4 and 8 tokens, with and without history, fma and mask variants) and,
 verified kernel,
 with a small stand-in for MLX's default header (``Shape``), and compiles it
 for sm_90 with nvcc against the cutlass headers of MLX's CUDA wheel.
-``--ptxas`` prints registers and spills. s35: 89 kernels, rc 0.
+``--ptxas`` prints registers and spills. s35: 89 kernels, rc 0; s45, with the mixer kernel: 185, rc 0.
+The mixer kernel's header includes MLX's device functors (``binary_ops.cuh``,
+``unary_ops.cuh``), which the wheel does not ship: ``--mlx-source`` names a
+folder holding ``mlx/backend/cuda/device`` from MLX's sources (s45: v0.32.1's,
+``git archive v0.32.1 mlx/backend/cuda/device | tar -x -C /tmp/mlxsrc``).
 
     pip download --no-deps mlx-cuda-13==0.32.4 -d /tmp/w && unzip -q /tmp/w/*.whl -d /tmp/w/x
-    python benchmarks/h200/nvcc_typecheck.py --include /tmp/w/x/mlx/include [--ptxas]
+    python benchmarks/h200/nvcc_typecheck.py --include /tmp/w/x/mlx/include --mlx-source /tmp/mlxsrc [--ptxas]
 
 It shows the text compiles; only a GPU's ``verify`` shows what it computes.
 """

@@ -38,7 +38,7 @@ VERIFIED_S28 = {
 #   side-by-side kernel before it: 26 cases, 1c92c91bb6e8, launch e7752bbe06ed...; s36's: 34 cases, 8f0583f2a930,
 #   launch 049d2749752a...).
 # - kda_verify_kernel: written in s37 without a GPU, verified in s38: 18 cases (one inconclusive: stock not
-#   repeatable at 8-bit, padded batch 3), code digest ba3e6b817777, launch 7135bc24e5d7...; with s46's mixer
+#   repeatable at 8-bit, padded batch 3), code digest ba3e6b817777, launch 7135bc24e5d7...; with s45's mixer
 #   kernel (the recurrence's text behind macros both kernels share): 30 cases (two inconclusive, the same case
 #   for each kernel), code digest b6c49e7534c1.
 # - dsa_decode: the selection over each position of a verify block, s44, 52 cases, code digest c243d94eae51 (the
