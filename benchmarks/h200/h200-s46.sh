@@ -13,7 +13,9 @@
 # 59 cases exact; the conv in order at every length), t with BUDGET 420 (one process per package: the counts
 # exact, the times too noisy to decide), then inline `verify_all block_qmv` (cut off at 210 s) and one more
 # site2 process.
-# Usage: h200-s46.sh v|t BUDGET
+# Next: VERIFY=block_qmv h200-s46.sh v 545 (a whole call for it), then SITES="site2 site" h200-s46.sh t 545
+# on a quiet machine (after the warm pass, two rounds of the two fit, sometimes three).
+# Usage: [VERIFY="PATCH ..."] [SITES="SITE ..."] h200-s46.sh v|t BUDGET
 PART=$1
 BUDGET=${2:-560}
 HERE="$(dirname "$0")"
@@ -23,11 +25,11 @@ v)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx-verify_block_qmv
   stage precompile 120 $PY "$HERE/precompile_block_qmv.py" --jobs ${JOBS:-12}
   stage conv_order 60 $PY "$HERE/probe_conv_order.py"
-  VERIFY_LIMIT=$(( $(left) - 15 )) verify_all block_qmv kda_verify_kernel ;;
+  VERIFY_LIMIT=$(( $(left) - 15 )) verify_all ${VERIFY:-block_qmv kda_verify_kernel} ;;
 t)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
   force_kernels
   stage warm 240 "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json
-  rotate "site1 site2 site" "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
+  rotate "${SITES:-site1 site2 site}" "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
 esac
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
