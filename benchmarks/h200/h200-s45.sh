@@ -8,8 +8,6 @@
 #    cold it needs about 500 s alone (s44: stock's kernels for the tiny models), so give it a whole call.
 # t: a warm pass of main, then whole blocks of 1 to 4 tokens, arm D, separate processes: site1 (.whl1 =
 #    main before 31cc019, the same kernels) and site (.whl = main) in turn; right after v, on its cache.
-#    First, cuDNN's depthwise conv order at verify-block lengths 1-8 (probe_conv_order.py, ~20 s): whether
-#    fused_kda_kernel's in-order conv would stay exact over a block.
 # Ran in s44: l (the table in BENCHMARKS.md, s44, that found the Gathers). v and t never ran: h200-s46.sh took
 # them over.
 # Usage: h200-s45.sh l|v|t BUDGET
@@ -29,7 +27,6 @@ v)
   VERIFY_LIMIT=$(( $(left) - 15 )) verify_all block_qmv ;;
 t)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
-  stage conv_order 60 $PY "$HERE/probe_conv_order.py"
   force_kernels
   stage warm 240 "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json
   rotate "site1 site" "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
