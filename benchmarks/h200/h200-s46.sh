@@ -23,8 +23,8 @@ HERE="$(dirname "$0")"
 case $PART in
 v)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx-verify_block_qmv
-  stage precompile 120 $PY "$HERE/precompile_block_qmv.py" --jobs ${JOBS:-12}
-  stage conv_order 60 $PY "$HERE/probe_conv_order.py"
+  stage precompile ${PRECOMPILE_LIMIT:-120} $PY "$HERE/precompile_block_qmv.py" --jobs ${JOBS:-12} ${PRECOMPILE_EXTRA:-}
+  [ -z "${NO_CONV:-}" ] && stage conv_order 60 $PY "$HERE/probe_conv_order.py"
   VERIFY_LIMIT=$(( $(left) - 15 )) verify_all ${VERIFY:-block_qmv kda_verify_kernel} ;;
 t)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx

@@ -15,7 +15,12 @@ The instantiations: verify's op cases; the tiny models' projections that
 variants: bf16, 8/6/4-bit, hidden 512, GPU widths); and each real-width
 projection (exact_qmv's verify list) at ``--real-positions``.
 
-    python precompile_block_qmv.py [--jobs 12] [--real-positions 2,3,4]
+``--tiny-models`` also runs stock's tiny-model checks of ``verify
+block_qmv`` (8, 6 and 4 bits; batch 1 and 2; greedy decode and verify
+blocks), one process each: a cold verify spent minutes compiling MLX's own
+kernels for them, one after another, and was cut off there (s44, s45).
+
+    python precompile_block_qmv.py [--jobs 12] [--real-positions 2,3,4] [--tiny-models]
 """
 
 import argparse
@@ -77,20 +82,48 @@ def compile_share(items):
               flush=True)
 
 
+def run_tiny_model(bits, batch, blocks):
+    """Stock's run of one of verify's tiny-model checks (the kernels it compiles stay in the cache)."""
+    import mlx.core as mx
+
+    from glm53_patches import tiny_model
+    from glm53_patches.exactness import _served_dtype
+
+    start = time.perf_counter()
+    config = {**tiny_model.gpu_widths(), "hidden_size": 512}
+    model = _served_dtype(tiny_model.build_model(seed=1, quantize_bits=bits, **config), mx.bfloat16)
+    prompt = mx.array([[(5 * i + 2) % 500 for i in range(40)]])
+    tokens = prompt if batch == 1 else mx.concatenate([prompt, prompt[:, ::-1]])
+    if blocks:
+        mx.eval(tiny_model.speculative_outputs(model.language_model, tokens))
+    else:
+        mx.eval(tiny_model.greedy_logits(model.language_model, tokens, 4))
+    print(f"{time.perf_counter() - start:7.1f} s  tiny model {bits}-bit B={batch}{' blocks' if blocks else ''}",
+          flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--real-positions", default="2,3,4")
+    parser.add_argument("--tiny-models", action="store_true", help="also warm stock's tiny-model checks")
     parser.add_argument("--share", help=argparse.SUPPRESS)  # a child's list, as JSON
+    parser.add_argument("--tiny", help=argparse.SUPPRESS)  # a child's (bits, batch, blocks), as JSON
     args = parser.parse_args()
     if args.share:
         compile_share([tuple(item) for item in json.loads(args.share)])
+        return
+    if args.tiny:
+        run_tiny_model(*json.loads(args.tiny))
         return
     start = time.perf_counter()
     items = instantiations([int(p) for p in args.real_positions.split(",")])
     print(f"{len(items)} instantiations, {args.jobs} processes", flush=True)
     children = [subprocess.Popen([sys.executable, __file__, "--share", json.dumps(items[i :: args.jobs])])
                 for i in range(args.jobs)]
+    if args.tiny_models:
+        children += [subprocess.Popen([sys.executable, __file__, "--tiny", json.dumps([bits, batch, blocks])])
+                     for bits in (8, 6, 4) for batch in (1, 2) for blocks in (False, True)]
     failed = sum(child.wait() != 0 for child in children)
     print(f"done in {time.perf_counter() - start:.1f} s, {failed} processes failed", flush=True)
     sys.exit(1 if failed else 0)
