@@ -15,7 +15,11 @@
 # site2 process.
 # Next: VERIFY=block_qmv h200-s46.sh v 545 (a whole call for it), then SITES="site2 site" h200-s46.sh t 545
 # on a quiet machine (after the warm pass, two rounds of the two fit, sometimes three).
-# Usage: [VERIFY="PATCH ..."] [SITES="SITE ..."] h200-s46.sh v|t BUDGET
+# Ran in s46 (BENCHMARKS.md, s46): v with PRECOMPILE_EXTRA=--tiny-models NO_CONV=1 VERIFY=block_qmv (passed, 525 s
+# in all), then t on a slow, drifting H100 (every process cut off at 90 s; stock's one-token block 88-141 ms).
+# i: the whole blocks of 1 to 4 tokens interleaved in one process per package (--interleave: each round one
+#    block of each length, so drift moves every length alike; the ratio to L = 1 per round), stock left out.
+# Usage: [VERIFY="PATCH ..."] [SITES="SITE ..."] h200-s46.sh v|t|i BUDGET
 PART=$1
 BUDGET=${2:-560}
 HERE="$(dirname "$0")"
@@ -31,5 +35,13 @@ t)
   force_kernels
   stage warm 240 "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json
   rotate "${SITES:-site1 site2 site}" "${BLOCK_PROBE[@]}" --blocks 1,2,3,4 --whole-only --blocks-timed ${BLOCKS:-10} ;;
+i)
+  export MLX_PTX_CACHE_DIR=$ROOT/ptx
+  force_kernels
+  stage warm 240 "${BLOCK_PROBE[@]}" --no-stock --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json
+  for site in ${SITES:-site site2}; do
+    PYTHONPATH=$ROOT/$site:$ROOT/site stage "interleaved-$site" ${EACH:-150} "${BLOCK_PROBE[@]}" --no-stock \
+      --blocks 1,2,3,4 --interleave --blocks-timed ${BLOCKS:-20} --out $RES/interleaved-$site.json
+  done ;;
 esac
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt

@@ -10,9 +10,13 @@ Per layer kind (kda+mlp, kda+moe, dsa+moe) the medians at each L; for the whole 
 evaluates a block's positions one by one while building it: its count is the last position's).
 Evaluating each layer alone adds a synchronization per layer: the sum is above the block's own time.
 Each whole block is printed as soon as it is measured, so a run cut short keeps what it measured.
+``--interleave`` times whole blocks only, one of each length per round, and gives each length's ratio
+to the first length round by round (its median and range): a machine whose speed drifts between
+processes, or within one, then moves every length alike (s45 and s46 met such H100s).
 
   python probe_verify_layers.py --arms A,A+routed_experts --blocks 1,4 --context 4096
   python probe_verify_layers.py --small --context 256 --whole-only   # a CPU dry run at tiny widths
+  python probe_verify_layers.py --arms all --blocks 1,2,3,4 --interleave --no-stock --blocks-timed 20
 """
 
 import argparse
@@ -50,8 +54,12 @@ def main():
     p.add_argument("--blocks-timed", type=int, default=12)
     p.add_argument("--whole-only", action="store_true", help="no layer-by-layer pass")
     p.add_argument("--small", action="store_true")
+    p.add_argument("--interleave", action="store_true",
+                   help="whole blocks only, one of each length per round (implies --whole-only)")
+    p.add_argument("--no-stock", action="store_true", help="leave stock's arm out")
     p.add_argument("--out")
     args = p.parse_args()
+    args.whole_only |= args.interleave
     upstream_import.import_language()
     from mlx_vlm.speculative.cache_state import start_speculative_cache
 
@@ -127,43 +135,82 @@ def main():
         save()
     lengths = [int(x) for x in args.blocks.split(",")]
     out["blocks"] = lengths
-    for label in arms.labels:
-        arms.activate(label)
+
+    def runner(length):
+        """(forward, primitives) for blocks of ``length`` tokens on their own copy of the context."""
+        cache = synthetic.clone_cache(base)
+        block = mx.random.randint(0, config.vocab_size, (1, length), key=mx.random.key(length))
+        state = {"tx": None}
+
+        def begin():  # as the bench's verify section: the previous block's commit of one token, a new block
+            if state["tx"] is not None:
+                state["tx"].commit([1])
+                state["tx"] = None
+            if length > 1:
+                state["tx"] = start_speculative_cache(cache, length)
+
+        def logits_and_tokens():
+            logits = model(block, cache=cache).logits
+            return [logits, mx.argmax(logits, axis=-1)]
+
+        def forward():
+            current["L"] = length
+            t0 = time.perf_counter()
+            begin()
+            t1 = time.perf_counter()
+            arrays = logits_and_tokens() + synthetic.cache_arrays(cache)
+            t2 = time.perf_counter()
+            mx.async_eval(arrays)  # on CUDA: encodes every kernel, then returns
+            t3 = time.perf_counter()
+            mx.eval(arrays)
+            return [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, time.perf_counter()))]
+
+        def primitives():
+            current["L"] = length
+            begin()
+            arrays = logits_and_tokens() + synthetic.cache_arrays(cache)
+            counted = measure.count_primitives(arrays)
+            mx.eval(arrays)
+            return counted
+
+        return forward, primitives
+
+    def interleaved(label, runs):
+        """``--interleave``: each round one block of every length, in turn (reversed every other round),
+        so that a machine's drift falls on all lengths alike; each length's ratio to the first, per round."""
+        for round_ in range(args.blocks_timed):
+            order = lengths if round_ % 2 == 0 else lengths[::-1]
+            for length in order:
+                totals[(label, length)].append(runs[length][0]())
+            rows = {n: sum(totals[(label, n)][-1]) for n in lengths}
+            print(f"{label[:40]} round {round_ + 1}: " + ", ".join(f"L={n} {ms:.2f}" for n, ms in rows.items()),
+                  flush=True)
+            for n in lengths[1:]:
+                out["ratios"].setdefault(f"{label}|{n}", []).append(rows[n] / rows[lengths[0]])
+            save()
         for length in lengths:
-            cache = synthetic.clone_cache(base)
-            block = mx.random.randint(0, config.vocab_size, (1, length), key=mx.random.key(length))
-            state = {"tx": None}
+            whole(label, length)
+        for n in lengths[1:]:
+            ratios = out["ratios"][f"{label}|{n}"]
+            print(f"{label[:40]} L={n} / L={lengths[0]}, per round: median {med(ratios):.3f}, "
+                  f"range {min(ratios):.3f}-{max(ratios):.3f} ({len(ratios)} rounds)", flush=True)
 
-            def begin():  # as the bench's verify section: the previous block's commit of one token, a new block
-                if state["tx"] is not None:
-                    state["tx"].commit([1])
-                    state["tx"] = None
-                if length > 1:
-                    state["tx"] = start_speculative_cache(cache, length)
-
-            def logits_and_tokens():
-                logits = model(block, cache=cache).logits
-                return [logits, mx.argmax(logits, axis=-1)]
-
-            def forward():
-                t0 = time.perf_counter()
-                begin()
-                t1 = time.perf_counter()
-                arrays = logits_and_tokens() + synthetic.cache_arrays(cache)
-                t2 = time.perf_counter()
-                mx.async_eval(arrays)  # on CUDA: encodes every kernel, then returns
-                t3 = time.perf_counter()
-                mx.eval(arrays)
-                return [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, time.perf_counter()))]
-
-            def primitives():
-                begin()
-                arrays = logits_and_tokens() + synthetic.cache_arrays(cache)
-                counted = measure.count_primitives(arrays)
-                mx.eval(arrays)
-                return counted
-
-            current.update(arm=label, L=length)
+    out["ratios"] = {}
+    for label in arms.labels:
+        if label == "stock" and args.no_stock:
+            continue
+        arms.activate(label)
+        current["arm"] = label
+        runs = {length: runner(length) for length in lengths}
+        for length in lengths if args.interleave else ():  # every length compiled and counted before any is timed
+            for _ in range(4):
+                runs[length][0]()
+            counts[(label, length)] = runs[length][1]()
+        if args.interleave:
+            interleaved(label, runs)
+            continue
+        for length in lengths:
+            forward, primitives = runs[length]
             for _ in range(4):
                 forward()
             counts[(label, length)] = primitives()
@@ -182,7 +229,7 @@ def main():
                     cls.run = fn
     arms.close()
     for label in arms.labels:
-        if len(lengths) > 1:
+        if len(lengths) > 1 and (label, lengths[0]) in counts:
             first, last = (counts[(label, n)]["by_primitive"] for n in (lengths[0], lengths[-1]))
             grown = _grown(first, last)
             print(f"{label[:40]}: primitives L={lengths[-1]} minus L={lengths[0]}: "

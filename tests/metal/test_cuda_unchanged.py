@@ -33,7 +33,8 @@ VERIFIED_S28 = {
 # Kernels as they passed `verify` on an H100 (sm_90 like the H200), recorded from that code the same way.
 # A change here needs that CUDA verify again.
 # - block_qmv: s34, 53 cases, code digest 119594fb9efd; again in s35 after the Metal twin, code digest a15995c7ce76;
-#   s44 with s42's narrower projections, 59 cases, code digest c1215e0deb55.
+#   s44 with s42's narrower projections, 59 cases, code digest c1215e0deb55; s46 with s44's view of the
+#   block's rows (the launch unchanged), 59 cases, code digest b8a9b9733d68.
 # - routed_experts: the weights as the MMA's A operand, s41, 24 cases, code digest d5bc2540797f (s37's
 #   side-by-side kernel before it: 26 cases, 1c92c91bb6e8, launch e7752bbe06ed...; s36's: 34 cases, 8f0583f2a930,
 #   launch 049d2749752a...).
