@@ -355,32 +355,36 @@ def stage_patches(names: List[str], trees: Dict[str, Path], out: Path, *, run: b
     models = tiny_models(Path(cache or default_cache())) if run else None
     results = []
     today = datetime.date.today().isoformat()
-    for name in names:
-        patch = patches.get(name) if name in patches else find_patch(name)
-        if isinstance(patch, Exception):
-            results.append(Result(name, "-", "", "", today, stageable=False,
-                                  error=f"the patch does not import: {patch!r}"))
-            continue
-        try:
-            described = describe(patch)
-        except StageError as exc:
-            results.append(Result(name, "-", "", "", today, error=f"upstream.py: {exc}"))
-            continue
-        if described is None:
-            results.append(Result(name, "-", "", "", today, stageable=False,
-                                  error="no checks/upstream.py in the patch folder: nothing to stage"))
-            continue
-        for label, tree in trees.items():
-            folder = Path(out)
-            if nested and len(names) > 1:
-                folder = folder / name
-            if nested and len(trees) > 1:
-                folder = folder / f"mlx-vlm-{label}"
-            if progress:
-                progress(f"staging {name} onto mlx-vlm {label} ...")
-            results.append(stage(patch, tree, folder, models=models, run=run,
-                                 tree_source=(f"the source tree {tree}" if upstream_given else
-                                              f"the {label} wheel from PyPI, unpacked"), pin=label))
+    # Each stage's scratch folder goes at the end, not after each stage: here (ext4 mounted with
+    # `discard`) a clone right after deleting the last one's ~1,600 files took 2-3 s instead of 0.2.
+    with tempfile.TemporaryDirectory(prefix="stage-") as scratch:
+        for name in names:
+            patch = patches.get(name) if name in patches else find_patch(name)
+            if isinstance(patch, Exception):
+                results.append(Result(name, "-", "", "", today, stageable=False,
+                                      error=f"the patch does not import: {patch!r}"))
+                continue
+            try:
+                described = describe(patch)
+            except StageError as exc:
+                results.append(Result(name, "-", "", "", today, error=f"upstream.py: {exc}"))
+                continue
+            if described is None:
+                results.append(Result(name, "-", "", "", today, stageable=False,
+                                      error="no checks/upstream.py in the patch folder: nothing to stage"))
+                continue
+            for label, tree in trees.items():
+                folder = Path(out)
+                if nested and len(names) > 1:
+                    folder = folder / name
+                if nested and len(trees) > 1:
+                    folder = folder / f"mlx-vlm-{label}"
+                if progress:
+                    progress(f"staging {name} onto mlx-vlm {label} ...")
+                results.append(stage(patch, tree, folder, models=models, run=run,
+                                     tree_source=(f"the source tree {tree}" if upstream_given else
+                                                  f"the {label} wheel from PyPI, unpacked"), pin=label,
+                                     work=Path(scratch) / f"{name}-{label}"))
     return results
 
 

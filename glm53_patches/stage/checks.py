@@ -1,5 +1,6 @@
 """Checks of a staged patch: git apply, staged tests and logits in clean interpreters."""
 
+import atexit
 import json
 import os
 import shutil
@@ -102,12 +103,26 @@ def run_isolated(job: Dict, work: Path, *, env: Dict[str, str], timeout: float =
 # -- git ------------------------------------------------------------------------------------
 
 
+_UPSTREAM_REPOS: Dict[Path, Path] = {}  # tree -> its one-commit repository, made once per process
+
+
 def git_copy(tree: Path, dest: Path) -> Path:
-    """A clean git repository holding a copy of the upstream tree's mlx_vlm/."""
-    dest.mkdir(parents=True)
-    shutil.copytree(Path(tree) / "mlx_vlm", dest / "mlx_vlm", ignore=shutil.ignore_patterns("__pycache__"))
-    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "upstream"]):
-        subprocess.run(GIT + command, cwd=dest, check=True, capture_output=True)
+    """A clean git repository holding a copy of the upstream tree's mlx_vlm/.
+
+    A clone of one repository per tree, committed once per process: committing
+    the ~1,500 files again for every patch and pin took most of ``stage --all``.
+    """
+    tree = Path(tree).resolve()
+    if tree not in _UPSTREAM_REPOS:
+        origin = Path(tempfile.mkdtemp(prefix="upstream-"))
+        atexit.register(shutil.rmtree, origin, ignore_errors=True)
+        shutil.copytree(tree / "mlx_vlm", origin / "mlx_vlm", ignore=shutil.ignore_patterns("__pycache__"))
+        # one pack, so that each clone links one file instead of every object
+        for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "upstream"], ["repack", "-a", "-d", "-q"]):
+            subprocess.run(GIT + command, cwd=origin, check=True, capture_output=True)
+        _UPSTREAM_REPOS[tree] = origin
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(GIT + ["clone", "-q", str(_UPSTREAM_REPOS[tree]), str(dest)], check=True, capture_output=True)
     return dest
 
 
