@@ -13,12 +13,12 @@
 # 59 cases exact; the conv in order at every length), t with BUDGET 420 (one process per package: the counts
 # exact, the times too noisy to decide), then inline `verify_all block_qmv` (cut off at 210 s) and one more
 # site2 process.
-# Next: VERIFY=block_qmv h200-s46.sh v 545 (a whole call for it), then SITES="site2 site" h200-s46.sh t 545
-# on a quiet machine (after the warm pass, two rounds of the two fit, sometimes three).
 # Ran in s46 (BENCHMARKS.md, s46): v with PRECOMPILE_EXTRA=--tiny-models NO_CONV=1 VERIFY=block_qmv (passed, 525 s
 # in all), then t on a slow, drifting H100 (every process cut off at 90 s; stock's one-token block 88-141 ms).
 # i: the whole blocks of 1 to 4 tokens interleaved in one process per package (--interleave: each round one
 #    block of each length, so drift moves every length alike; the ratio to L = 1 per round), stock left out.
+# Next: SITES="site site2" h200-s46.sh i 545 (site = main, site2 = .whl2 without the mixer kernel), which settles
+# issue 16's ratio at L = 4 and what the mixer kernel does to it; CPU dry run only so far.
 # Usage: [VERIFY="PATCH ..."] [SITES="SITE ..."] h200-s46.sh v|t|i BUDGET
 PART=$1
 BUDGET=${2:-560}
