@@ -14,7 +14,7 @@
 # exact, the times too noisy to decide), then inline `verify_all block_qmv` (cut off at 210 s) and one more
 # site2 process.
 # Ran in s46 (BENCHMARKS.md, s46): v with PRECOMPILE_EXTRA=--tiny-models NO_CONV=1 VERIFY=block_qmv (passed, 525 s
-# in all), then t on a slow, drifting H100 (every process cut off at 90 s; stock's one-token block 88-141 ms).
+# in all), then t on a slow, drifting H100 (every process cut off at 90 s; stock's one-token block 87-141 ms).
 # i: the whole blocks of 1 to 4 tokens interleaved in one process per package (--interleave: each round one
 #    block of each length, so drift moves every length alike; the ratio to L = 1 per round), stock left out.
 # Next: SITES="site site2" h200-s46.sh i 545 (site = main, site2 = .whl2 without the mixer kernel), which settles
