@@ -176,6 +176,12 @@ def _served_dtype(model, dtype):
     return model
 
 
+def tiny_prompts():
+    """{batch: tokens}: the prompts ``compare_tiny_models`` decodes from, at batch 1 and 2."""
+    prompt = mx.array([[(5 * i + 2) % 500 for i in range(40)]])
+    return {1: prompt, 2: mx.concatenate([prompt, prompt[:, ::-1]])}
+
+
 def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, variants=None, config=None,
                         blocks=False):
     """Greedy decode of the tiny model with ``owner.attr`` = ``stock`` vs ``patched`` (inside ``forcing()``).
@@ -189,7 +195,6 @@ def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, v
     from . import tiny_model
 
     installed = vars(owner)[attr]
-    prompt = mx.array([[(5 * i + 2) % 500 for i in range(40)]])
     if variants is None:
         variants = (("fp32", None, None), ("4-bit", 4, None) if backend() == "cpu" else ("bf16", None, mx.bfloat16))
     for label, bits, dtype in variants:
@@ -202,7 +207,7 @@ def compare_tiny_models(tally, owner, attr, stock, patched, forcing, steps=16, v
         runs = {"": lambda tokens: tiny_model.greedy_logits(language_model, tokens, steps)}
         if blocks:
             runs[" verify blocks"] = lambda tokens: tiny_model.speculative_outputs(language_model, tokens)
-        for batch, tokens in ((1, prompt), (2, mx.concatenate([prompt, prompt[:, ::-1]]))):
+        for batch, tokens in tiny_prompts().items():
             for what, run in runs.items():
                 results = []
                 for fn in (stock, patched):

@@ -87,13 +87,12 @@ def run_tiny_model(bits, batch, blocks):
     import mlx.core as mx
 
     from glm53_patches import tiny_model
-    from glm53_patches.exactness import _served_dtype
+    from glm53_patches.exactness import _served_dtype, tiny_prompts
 
     start = time.perf_counter()
-    config = {**tiny_model.gpu_widths(), "hidden_size": 512}
+    config = {**tiny_model.gpu_widths(), "hidden_size": 512}  # verify's (check_tiny_models)
     model = _served_dtype(tiny_model.build_model(seed=1, quantize_bits=bits, **config), mx.bfloat16)
-    prompt = mx.array([[(5 * i + 2) % 500 for i in range(40)]])
-    tokens = prompt if batch == 1 else mx.concatenate([prompt, prompt[:, ::-1]])
+    tokens = tiny_prompts()[batch]
     if blocks:
         mx.eval(tiny_model.speculative_outputs(model.language_model, tokens))
     else:

@@ -202,18 +202,21 @@ def main():
         arms.activate(label)
         current["arm"] = label
         runs = {length: runner(length) for length in lengths}
-        for length in lengths if args.interleave else ():  # every length compiled and counted before any is timed
-            for _ in range(4):
-                runs[length][0]()
-            counts[(label, length)] = runs[length][1]()
-        if args.interleave:
-            interleaved(label, runs)
-            continue
-        for length in lengths:
+
+        def warm_and_count(length):
             forward, primitives = runs[length]
             for _ in range(4):
                 forward()
             counts[(label, length)] = primitives()
+
+        if args.interleave:
+            for length in lengths:  # every length compiled and counted before any is timed
+                warm_and_count(length)
+            interleaved(label, runs)
+            continue
+        for length in lengths:
+            warm_and_count(length)
+            forward = runs[length][0]
             for _ in range(args.blocks_timed):  # whole blocks, evaluated once
                 totals[(label, length)].append(forward())
             whole(label, length)  # printed now: a run cut short keeps what it measured

@@ -110,7 +110,7 @@ def git_copy(tree: Path, dest: Path) -> Path:
     """A clean git repository holding a copy of the upstream tree's mlx_vlm/.
 
     A clone of one repository per tree, committed once per process: committing
-    the ~1,500 files again for every patch and pin took most of ``stage --all``.
+    the ~1,600 files again for every patch and pin took most of ``stage --all``.
     """
     tree = Path(tree).resolve()
     if tree not in _UPSTREAM_REPOS:
