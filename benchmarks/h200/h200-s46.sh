@@ -17,8 +17,9 @@
 # in all), then t on a slow, drifting H100 (every process cut off at 90 s; stock's one-token block 87-141 ms).
 # i: the whole blocks of 1 to 4 tokens interleaved in one process per package (--interleave: each round one
 #    block of each length, so drift moves every length alike; the ratio to L = 1 per round), stock left out.
-# Next: SITES="site site2" h200-s46.sh i 545 (site = main, site2 = .whl2 without the mixer kernel), which settles
-# issue 16's ratio at L = 4 and what the mixer kernel does to it; CPU dry run only so far.
+# Ran in s47 (BENCHMARKS.md, s47): i with SITES="site site2" (site = main, site2 = .whl2, 94e345f, without the
+# mixer kernel), then four more interleaved processes, stock's, and one more pair; pool them with
+# pool_interleaved.py. A 4-token block: 1.49x the one-token block (1.64x without the mixer kernel).
 # Usage: [VERIFY="PATCH ..."] [SITES="SITE ..."] h200-s46.sh v|t|i BUDGET
 PART=$1
 BUDGET=${2:-560}
@@ -38,10 +39,15 @@ t)
 i)
   export MLX_PTX_CACHE_DIR=$ROOT/ptx
   force_kernels
+  # One warm-up at a time: two real-width models do not fit an 80 GB card (s47 warmed both packages at
+  # once: out of memory, and the first timed process, cold, was cut off at 150 s).
   stage warm 240 "${BLOCK_PROBE[@]}" --no-stock --blocks 1,2,3,4 --whole-only --blocks-timed 1 --out $RES/warm.json
-  for site in ${SITES:-site site2}; do
-    PYTHONPATH=$ROOT/$site:$ROOT/site stage "interleaved-$site" ${EACH:-150} "${BLOCK_PROBE[@]}" --no-stock \
-      --blocks 1,2,3,4 --interleave --blocks-timed ${BLOCKS:-20} --out $RES/interleaved-$site.json
+  for round in 1 2; do
+    for site in ${SITES:-site site2}; do
+      (( $(left) < 100 )) && break 2
+      PYTHONPATH=$ROOT/$site:$ROOT/site stage "interleaved-$site-$round" ${EACH:-150} "${BLOCK_PROBE[@]}" --no-stock \
+        --blocks 1,2,3,4 --interleave --blocks-timed ${BLOCKS:-20} --out $RES/interleaved-$site-$round.json
+    done
   done ;;
 esac
 echo "$(date +%T) part $PART done after $(( $(date +%s) - START ))s" >> $RES/stages.txt
