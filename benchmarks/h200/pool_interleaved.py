@@ -10,11 +10,12 @@ Rounds where some length took more than 1.5x its own median are listed ("slow ro
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 
 def rounds(path, arm):
     """{length: [ms per round]} for the first arm in ``path`` whose label starts with ``arm``."""
-    data = json.load(open(path))
+    data = json.loads(Path(path).read_text())
     labels = sorted({key.rsplit("|", 1)[0] for key in data["whole"] if key.startswith(arm)})
     if not labels:
         raise SystemExit(f"{path}: no arm starting with {arm!r}")
