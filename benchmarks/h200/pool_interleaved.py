@@ -48,13 +48,13 @@ def main():
     for n, r in ratios.items():
         q1, q2, q3 = statistics.quantiles(r, n=4)
         print(f"  L={n} / L={first}: median {q2:.3f}, quartiles {q1:.3f}-{q3:.3f}, range {min(r):.3f}-{max(r):.3f}")
-    ms = {n: statistics.median(v) for n, v in times.items()}
-    print("  median ms: " + ", ".join(f"L={n} {v:.2f}" for n, v in ms.items()))
-    last = max(ms)
-    extra = (ms[last] - ms[first]) / (last - first)
-    print(f"  each extra token: {extra:.2f} ms, {extra / ms[first]:.3f} of L={first}")
+    pooled = {n: statistics.median(v) for n, v in times.items()}
+    print("  median ms: " + ", ".join(f"L={n} {v:.2f}" for n, v in pooled.items()))
+    last = max(pooled)
+    extra = (pooled[last] - pooled[first]) / (last - first)
+    print(f"  each extra token: {extra:.2f} ms, {extra / pooled[first]:.3f} of L={first}")
     print("  every draft accepted, the drafter left out: "
-          + ", ".join(f"{n} a round {n / ms[n] * 1e3:.1f} tok/s" for n in ms))
+          + ", ".join(f"{n} a round {n / pooled[n] * 1e3:.1f} tok/s" for n in pooled))
 
 
 if __name__ == "__main__":
