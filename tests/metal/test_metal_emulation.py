@@ -19,7 +19,7 @@ import pytest
 
 from glm53_patches.checks.metal import cases, emulate
 from glm53_patches.checks.metal.emulate import (block_qmv, dsa_decode, expert_combine, fused_kda_kernel, hc_decode,
-                                                router_select)
+                                                routed_experts, router_select)
 from glm53_patches.patches.dsa_decode.checks import host_check
 from glm53_patches.patches.expert_combine import kernel as combine
 
@@ -432,6 +432,59 @@ def test_block_qmv_calls_the_installed_mlx_helpers():
     assert "load_vector<T, U, values_per_thread, bits>(x, x_thread)" in block_qmv.stock_text()
 
 
+# ---- routed_experts: affine_gather_qmv_fast once per projection and route; the twin takes gate and up at once
+
+
+def _expert_inputs(n, k, rows, routes, bits, group, dtype, count, experts=4, seed=0):
+    """An input of ``rows`` rows, ``routes`` random expert picks and ``count`` projections of ``experts`` experts."""
+    keys = mx.random.split(mx.random.key(seed), 2 + count)
+    x = mx.random.normal((rows, k), key=keys[0]).astype(dtype)
+    idx = mx.random.randint(0, experts, (routes,), key=keys[1]).astype(mx.uint32)
+    projections = [mx.quantize((mx.random.normal((experts, n, k), key=key) * k**-0.5).astype(dtype),
+                               group_size=group, bits=bits) for key in keys[2:]]
+    return x, idx, projections
+
+
+# (bits, group, dtype, K, input rows, routes, projections): a decode step's gate and up (one input, 8 routes) and
+# down (an input per route), batch 2, every bit width the twin takes, float16, groups 32 and 128
+EXPERT_CASES = ([(bits, 64, mx.bfloat16, 1024, 1, 8, 2) for bits in (2, 3, 4, 5, 6, 8)]
+                + [(4, 64, mx.bfloat16, 512, 8, 8, 1), (8, 64, mx.bfloat16, 1024, 16, 16, 1),
+                   (4, 64, mx.bfloat16, 512, 2, 16, 2), (4, 32, mx.float16, 1024, 1, 8, 2),
+                   (6, 128, mx.bfloat16, 2048, 2, 16, 2)])
+
+
+@pytest.mark.parametrize("bits, group, dtype, k, rows, routes, count", EXPERT_CASES)
+def test_routed_experts_twin_matches_gather_qmv_fast(tmp_path, bits, group, dtype, k, rows, routes, count):
+    x, idx, projections = _expert_inputs(16, k, rows, routes, bits, group, dtype, count)
+    result = routed_experts.run(tmp_path, x, idx, projections, bits, group)
+    assert len(result) == count
+    _agree(result)
+
+
+EXPERT_MUTATIONS = {
+    # up's rows read with gate's scales (the second projection with the first's)
+    "one projection's scales for both": lambda t: t.replace("U s = sc[p][row", "U s = sc[0][row"),
+    # each route's input row taken per route rather than per PER_ROW routes
+    "the wrong input row": lambda t: t.replace("x + (route / PER_ROW) * K", "x + (route % PER_ROW) * K"),
+    # every route through the first route's expert
+    "one expert for every route": lambda t: t.replace("size_t(idx[route])", "size_t(idx[0])"),
+    # the first of a SIMD-group's 4 rows' scale for all of them
+    "one row's scale": lambda t: t.replace("U s = sc[p][row * in_vec_size_g];", "U s = sc[p][0];"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(EXPERT_MUTATIONS))
+def test_routed_experts_mutations_fail(tmp_path, mutation):
+    from glm53_patches.patches.routed_experts import kernel
+
+    x, idx, projections = _expert_inputs(16, 1024, 2, 16, 4, 64, mx.bfloat16, 2)
+    text = emulate.generated(lambda x, i, *a: kernel.expert_qmv(x, i, [a[:3], a[3:]], 4, 64), x, idx,
+                             *projections[0], *projections[1])
+    twin = EXPERT_MUTATIONS[mutation](text)
+    assert twin != text, "the mutation did not apply"
+    assert emulate.differences(routed_experts.run(tmp_path, x, idx, projections, 4, 64, twin_source=twin))
+
+
 # ---- the hardware's unknowns: simd_sum order, thread order, contraction
 
 
@@ -452,6 +505,8 @@ def test_agreement_does_not_depend_on_simd_sum_order(tmp_path, variant):
     _agree(dsa_decode.run(tmp_path, scores, key_valid, limit, query_valid, select_k, kpool=kpool, topk=topk,
                           tail=tail, **options))
     _agree(block_qmv.run(tmp_path, *_block_inputs(24, 1024, 5, 6, 64, mx.bfloat16), 6, 64, **options))
+    x, idx, projections = _expert_inputs(16, 1024, 2, 16, 6, 64, mx.bfloat16, 2)
+    _agree(routed_experts.run(tmp_path, x, idx, projections, 6, 64, **options))
 
 
 def test_hc_decode_agrees_under_contraction(tmp_path):
@@ -466,3 +521,11 @@ def test_block_qmv_agrees_under_contraction(tmp_path):
     still matches: both sides compile the same function. Whether Metal inlines it alike is for a Mac's verify."""
     for bits in (4, 8):
         _agree(block_qmv.run(tmp_path, *_block_inputs(24, 1024, 4, bits, 64, mx.bfloat16), bits, 64, contract=True))
+
+
+def test_routed_experts_agrees_under_contraction(tmp_path):
+    """With g++ contracting on both sides, the experts' twin (stock's load_vector and qdot, called per projection)
+    still matches."""
+    for bits in (4, 8):
+        x, idx, projections = _expert_inputs(16, 1024, 1, 8, bits, 64, mx.bfloat16, 2)
+        _agree(routed_experts.run(tmp_path, x, idx, projections, bits, 64, contract=True))

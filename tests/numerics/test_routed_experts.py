@@ -28,7 +28,7 @@ take.
 
 import mlx.core as mx
 import pytest
-from mlx_vlm.models.switch_layers import MoE, QuantizedSwitchLinear
+from mlx_vlm.models.switch_layers import MoE, QuantizedSwitchLinear, SwitchGLU
 
 import glm53_patches
 from glm53_patches.patches import routed_experts
@@ -86,21 +86,21 @@ def test_on_the_cpu_stock_runs_bit_for_bit(model, stock_outputs, applied):
     assert_bitwise(stock_outputs, outputs(model), "decode and verify blocks, routed_experts applied on the CPU")
     hits, fallbacks = counts()
     assert not hits
-    assert set(fallbacks) == {"no CUDA"} and fallbacks["no CUDA"] >= 7 * 20  # 7 MoE layers, 20+ forward calls
+    assert set(fallbacks) == {"no CUDA or Metal"} and fallbacks["no CUDA or Metal"] >= 7 * 20  # 7 MoE layers, 20+ calls
 
 
 def test_revert_restores_the_original_objects():
     """Alone, and stacked on expert_combine (which wraps MoE.__call__ too)."""
     glm53_patches.disable()
-    originals = (MoE.__dict__["__call__"], QuantizedSwitchLinear.__dict__["__call__"])
+    owners = (MoE, QuantizedSwitchLinear, SwitchGLU)
+    originals = tuple(owner.__dict__["__call__"] for owner in owners)
     for names in ([NAME], ["expert_combine", NAME]):
         glm53_patches.enable(names)
         try:
-            assert QuantizedSwitchLinear.__dict__["__call__"] is not originals[1]
-            assert MoE.__dict__["__call__"] is not originals[0]
+            assert all(owner.__dict__["__call__"] is not original for owner, original in zip(owners, originals))
         finally:
             glm53_patches.disable()
-        assert (MoE.__dict__["__call__"], QuantizedSwitchLinear.__dict__["__call__"]) == originals
+        assert tuple(owner.__dict__["__call__"] for owner in owners) == originals
 
 
 def test_routes_per_row():
@@ -144,7 +144,7 @@ def test_coverage():
 
 def test_off_cuda_a_block_is_counted_once_and_its_projections_not_offered(model, applied):
     mx.eval(model(PROMPT[:, :1], cache=model.make_cache()).logits)
-    assert counts() == ({}, {"no CUDA": 7})  # the 7 MoE layers, not their 21 projections
+    assert counts() == ({}, {"no CUDA or Metal": 7})  # the 7 MoE layers, not their 21 projections
 
 
 def test_only_glm5_next_moe_calls_are_taken(applied):
@@ -157,7 +157,7 @@ def test_only_glm5_next_moe_calls_are_taken(applied):
         assert experts.project(module, x, idx, False) is None
     finally:
         experts._inside.depth = 0
-    assert counts() == ({}, {"no CUDA": 1})
+    assert counts() == ({}, {"no CUDA": 1})  # marked, as a CPU never is: the CUDA wrapper's own count
 
 
 def stock_expert_mma(x, w, scales, biases, idx, **settings):
@@ -250,4 +250,156 @@ def test_verifys_op_check_runs_through_the_wrapper(monkeypatch):
     monkeypatch.setattr(kernel, "expert_mma", lambda x, w, s, b, idx, **kw: stock_expert_mma(x, w, s, b, idx[::-1]))
     wrong = Tally()
     verify.check_op(wrong)
+    assert not wrong.result(0.1)["exact"]
+
+
+# ---- the Metal twin: a decode step's SwitchGLU, gate and up in one dispatch (Metal pretended here)
+
+
+@pytest.fixture(scope="module")
+def metal_model():
+    """Experts 512 wide, so that down's K, like gate's and up's, is a multiple of 512: gather_qmv_fast's shapes."""
+    from glm53_patches.exactness import _served_dtype
+    from glm53_patches.tiny_model import gpu_widths
+
+    config = {**gpu_widths(), "hidden_size": 512, "moe_intermediate_size": 512, "n_routed_experts": 16,
+              "num_experts_per_tok": 8}
+    return _served_dtype(build_model(seed=3, quantize_bits=4, **config), mx.bfloat16).language_model
+
+
+@pytest.fixture(scope="module")
+def metal_stock_outputs(metal_model):
+    glm53_patches.disable()
+    return outputs(metal_model)
+
+
+def switch_glu(hidden=512, width=512, bits=4, group=64, dtype=mx.bfloat16, down_bits=None):
+    glu = SwitchGLU(32, 32, 1)
+    for name, (n, k) in (("gate_proj", (width, hidden)), ("up_proj", (width, hidden)), ("down_proj", (hidden, width))):
+        b = down_bits if name == "down_proj" and down_bits else bits
+        setattr(glu, name, switch_linear(n, k, b, group, dtype))
+    glu.eval()  # as a served model's
+    return glu
+
+
+def test_metal_coverage():
+    x, idx = mx.zeros((1, 1, 512), mx.bfloat16), mx.zeros((1, 1, 8), mx.uint32)
+    assert experts.unsupported_on_metal(switch_glu(), x, idx) is None
+    assert experts.unsupported_on_metal(switch_glu(), mx.zeros((7, 1, 512), mx.bfloat16), mx.zeros((7, 1, 8))) is None
+    assert experts.unsupported_on_metal(switch_glu(down_bits=8), x, idx) is None  # down is its own dispatch
+    for bits in (2, 3, 5, 6, 8):
+        assert experts.unsupported_on_metal(switch_glu(bits=bits), x, idx) is None
+    assert experts.unsupported_on_metal(switch_glu(), x.astype(mx.float16), idx) == "dtype"
+    assert experts.unsupported_on_metal(switch_glu(dtype=mx.float16), x.astype(mx.float16), idx) is None
+    assert experts.unsupported_on_metal(switch_glu(dtype=mx.float32), x.astype(mx.float32), idx) == "dtype"
+    block = mx.zeros((1, 4, 512), mx.bfloat16), mx.zeros((1, 4, 8), mx.uint32)
+    assert experts.unsupported_on_metal(switch_glu(), *block) == "not a decode step"  # stock's exact block path
+    eight = mx.zeros((8, 1, 512), mx.bfloat16), mx.zeros((8, 1, 8), mx.uint32)
+    assert experts.unsupported_on_metal(switch_glu(), *eight) == "sorted"
+    assert experts.unsupported_on_metal(switch_glu(width=256), x, idx) == "shape"  # down's K: gather_qmv, not fast
+    assert experts.unsupported_on_metal(switch_glu(width=640), x, idx) == "shape"
+    assert experts.unsupported_on_metal(switch_glu(group=64, bits=4), x, idx.astype(mx.int32)) is None
+    odd = switch_glu()
+    odd.up_proj = switch_linear(512, 512, 8)
+    assert experts.unsupported_on_metal(odd, x, idx) == "gate and up differ"
+    odd.up_proj = switch_linear(512, 512, bias=True)
+    assert experts.unsupported_on_metal(odd, x, idx) == "bias"
+    training = switch_glu()
+    training.train()
+    assert experts.unsupported_on_metal(training, x, idx) == "not a decode step"
+
+
+def stock_expert_qmv(x, idx, projections, bits, group_size):
+    """Stands in for ``kernel.expert_qmv``: stock's ``gather_qmm`` for each projection, each route's input row
+    found as the twin finds it (``r // (R / X)``)."""
+    per_route = mx.repeat(x, idx.shape[0] // x.shape[0], axis=0)[:, None, :]
+    return [mx.gather_qmm(per_route, w, s, b, rhs_indices=idx, transpose=True, group_size=group_size,
+                          bits=bits)[:, 0, :] for w, s, b in projections]
+
+
+def run_pretending_metal(monkeypatch, model, names, stand_in=stock_expert_qmv, run=outputs):
+    """``run(model)`` with ``names`` applied and the twin forced on, Metal pretended; the twin records what it is
+    handed and answers with ``stand_in``. Returns the outputs and the record."""
+    from glm53_patches import registry
+
+    seen = []
+
+    def recorder(x, idx, projections, bits, group_size):
+        seen.append((idx.shape[0], x.shape[0], len(projections), x.shape[1], projections[0][0].shape[1]))
+        return stand_in(x, idx, projections, bits, group_size)
+
+    monkeypatch.setattr(experts, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(kernel, "expert_qmv", recorder)
+    for name in names:
+        registry.available()[name].stats.reset()
+    glm53_patches.enable(names, strict=True)
+    try:
+        with experts.switch.forcing(True):
+            return run(model), seen
+    finally:
+        glm53_patches.disable()
+
+
+def test_on_metal_the_twin_gets_stocks_arguments(monkeypatch, metal_model, metal_stock_outputs):
+    actual, seen = run_pretending_metal(monkeypatch, metal_model, [NAME])
+    assert_bitwise(metal_stock_outputs, actual, "decode and verify blocks, the twin's calls answered by gather_qmm")
+    # decode at batch 1 and 2: gate and up of one input per token (2 projections), then down of an input per route
+    assert {(8, 1, 2, 512, 512), (8, 8, 1, 512, 512), (16, 2, 2, 512, 512), (16, 16, 1, 512, 512)} == set(seen)
+    hits, fallbacks = counts()
+    assert hits["metal twin"] == len(seen) // 2
+    assert set(fallbacks) == {"not a decode step"}  # prefill and the verify blocks
+
+
+def test_on_metal_a_wrong_route_changes_the_outputs(monkeypatch, metal_model):
+    """The model comparison can fail: a twin that takes the routes in reverse gives other logits (the first
+    decode steps at batch 1 suffice), where the right routes give stock's."""
+    steps = lambda model: greedy_logits(model, PROMPT, 2)  # noqa: E731
+    glm53_patches.disable()
+    stock = steps(metal_model)
+    right, _ = run_pretending_metal(monkeypatch, metal_model, [NAME], run=steps)
+    assert_bitwise(stock, right, "the right routes")
+    reversed_routes = lambda x, idx, *a: stock_expert_qmv(x, idx[::-1], *a)  # noqa: E731
+    wrong, seen = run_pretending_metal(monkeypatch, metal_model, [NAME], reversed_routes, run=steps)
+    assert seen
+    with pytest.raises(AssertionError):
+        assert_bitwise(stock, wrong, "routes reversed")
+
+
+def test_on_metal_under_expert_combine_and_layer_decode(monkeypatch, metal_model, metal_stock_outputs):
+    """expert_combine calls the experts from its MoE wrapper (its kernel pretended with stock's combine);
+    layer_decode traces the MoE layers, the twin inside."""
+    from glm53_patches.patches import expert_combine, layer_decode
+    from glm53_patches.patches.expert_combine import combine
+
+    monkeypatch.setattr(combine, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(combine, "unsupported", lambda *args: None)
+    monkeypatch.setattr(combine, "expert_combine", lambda routed, weights, shared: SwitchGLU._combine(
+        routed, weights, shared))
+    with combine.switch.forcing(True):
+        actual, seen = run_pretending_metal(monkeypatch, metal_model, ["expert_combine", NAME, "layer_decode"])
+    assert_bitwise(metal_stock_outputs, actual, "the Metal twin under expert_combine and layer_decode")
+    assert seen and counts()[0]["metal twin"]
+    assert expert_combine.PATCH.stats.snapshot()["hits"]
+    assert layer_decode.PATCH.stats.snapshot()["hits"]
+
+
+def test_verifys_metal_op_check_runs_through_the_wrapper(monkeypatch):
+    """verify's Metal-only op cases, at small widths, Metal pretended and the twin answered by gather_qmm: every
+    case is taken by the wrapper; a twin that gets a route wrong is reported as differing."""
+    from glm53_patches.exactness import Tally
+    from glm53_patches.patches.routed_experts.checks import verify
+
+    small = [(label, 1024, 512, bits, group, dtype, batch) for label, _, _, bits, group, dtype, batch
+             in verify.METAL_CALLS]
+    monkeypatch.setattr(verify, "METAL_CALLS", small)
+    monkeypatch.setattr(verify, "EXPERTS", 16)
+    monkeypatch.setattr(experts, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(kernel, "expert_qmv", stock_expert_qmv)
+    tally = Tally()
+    verify.check_metal_op(tally)
+    result = tally.result(0.1)
+    assert result["exact"] and result["cases"] == len(small), result["detail"]
+    monkeypatch.setattr(kernel, "expert_qmv", lambda x, idx, *a: stock_expert_qmv(x, idx[::-1], *a))
+    wrong = Tally()
+    verify.check_metal_op(wrong)
     assert not wrong.result(0.1)["exact"]

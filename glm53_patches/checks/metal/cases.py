@@ -159,8 +159,28 @@ def block_qmv():
                (_normal((positions, k), 21, dtype), w, scales.astype(dtype), biases.astype(dtype)))
 
 
+def routed_experts():
+    from glm53_patches.patches.routed_experts.kernel import expert_qmv
+
+    # verify on Metal: gate and up together, then down, 64 experts at the real widths (4-bit, group 64) for 8 and
+    # 56 routes; 8- and 6-bit; group 32; float16; 2-, 3- and 5-bit at K 1,024; the tiny model's 512-wide experts.
+    shapes = [(2048, 4096, 4, 64, 1, 8, 2, mx.bfloat16), (4096, 2048, 4, 64, 8, 8, 1, mx.bfloat16),
+              (2048, 4096, 4, 64, 7, 56, 2, mx.bfloat16), (2048, 4096, 8, 64, 1, 8, 2, mx.bfloat16),
+              (2048, 4096, 6, 64, 1, 8, 2, mx.bfloat16), (2048, 4096, 4, 32, 1, 8, 2, mx.bfloat16),
+              (2048, 4096, 4, 64, 2, 16, 2, mx.float16), (512, 512, 4, 64, 1, 8, 2, mx.bfloat16),
+              *[(512, 1024, bits, 64, 2, 16, 2, mx.bfloat16) for bits in (2, 3, 5)]]
+    for n, k, bits, group, rows, routes, count, dtype in shapes:
+        w, scales, biases = mx.quantize(_normal((4, n, k), 22), group_size=group, bits=bits)
+        yield (f"{dtype} {bits}-bit group {group}, {count} projection(s), {routes} routes of {rows} rows, K {k}",
+               lambda x, i, w, s, b, bits=bits, group=group, count=count: expert_qmv(
+                   x, i, [(w, s, b)] * count, bits, group),
+               (_normal((rows, k), 23, dtype), (mx.arange(routes) % 4).astype(mx.uint32), w, scales.astype(dtype),
+                biases.astype(dtype)))
+
+
 KERNELS = {
     "block_qmv": block_qmv,
+    "routed_experts": routed_experts,
     "router_select": router_select,
     "expert_combine": expert_combine,
     "fused_kda_kernel": fused_kda_kernel,

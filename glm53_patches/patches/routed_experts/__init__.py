@@ -16,33 +16,37 @@ _VERIFIER = "mlx_vlm.models.quantized_verifier"
 PATCH = Patch(
     name="routed_experts",
     summary=(
-        "On CUDA, the routed experts' quantized projections of a glm5_next decode step or verify block (one "
-        "gather_qmm over 8 or more routes, one row each, which MLX runs as its tiled qmm_sm80) run a matvec "
-        "kernel that keeps qmm_sm80's arithmetic per output element (bf16 dequantization, one 16-wide MMA "
-        "per chunk of K in order) with another work split. 4-bit, group 64, bf16. Where `glm53-patches "
-        "verify routed_experts` passed (Hopper: sm_80 dequantizes with another rounding); bit-identical "
-        "there. Other models' experts, prefill and every other call: stock."
+        "The routed experts of a glm5_next decode step, exact. On CUDA their quantized projections (and a "
+        "verify block's; one gather_qmm over 8 or more routes, one row each, which MLX runs as its tiled "
+        "qmm_sm80) run a matvec kernel that keeps qmm_sm80's arithmetic per output element (bf16 "
+        "dequantization, one 16-wide MMA per chunk of K in order) with another work split: 4-bit, group 64, "
+        "bf16, Hopper (sm_80 dequantizes with another rounding). On Metal a decode step's gate and up run in "
+        "one dispatch that loads the input once, then down, each with the arithmetic of MLX's Metal "
+        "gather_qmv. Where `glm53-patches verify routed_experts` passed; bit-identical there. Other models' "
+        "experts, prefill and every other call: stock."
     ),
     targets={
         f"{_SWITCH}:MoE.__call__": lazy(f"{__name__}.experts", "make_moe_call"),
         f"{_SWITCH}:QuantizedSwitchLinear.__call__": lazy(f"{__name__}.experts", "make_projection_call"),
+        f"{_SWITCH}:SwitchGLU.__call__": lazy(f"{__name__}.experts", "make_glu_call"),
     },
     relies_on=(
-        f"{_SWITCH}:SwitchGLU.__call__",
+        f"{_SWITCH}:SwitchGLU._combine",
         f"{_VERIFIER}:exact_quantized_switch_linear",
         f"{_VERIFIER}:exact_quantized_selected_linear",
         f"{GLM5_NEXT}:Glm5NextMoE.__init__",
     ),
-    uses=("glm53_patches.kernels.build",),
+    uses=("glm53_patches.kernels.build", "glm53_patches.kernels.mlx_metal", "glm53_patches.patches.block_qmv.kernel"),
     numerics="exact",
-    needs_verify_on=("cuda",),
-    kernels_on=("cuda",),
+    needs_verify_on=("cuda", "metal"),
+    kernels_on=("cuda", "metal"),
     # its MoE wrapper marks a glm5_next block's calls, so it must be outside those that call the experts
     runs_before=("expert_combine", "batched_experts", "dequantized_experts"),
-    upstream="not yet proposed: a faster decode path for MLX's CUDA gather_qmm with qmm_sm80's arithmetic",
+    upstream=("not yet proposed: a faster decode path for MLX's CUDA gather_qmm with qmm_sm80's arithmetic; on "
+              "Metal, mlx-vlm's SwitchGLU taking gate and up in one dispatch at decode too (PATCH.md)"),
     on_revert=lazy(f"{__name__}.experts", "clear", only_if_loaded=True),
     verify=lazy(f"{__name__}.checks.verify", "verify"),
-    knobs={"kernel": config.switch("its CUDA kernel: where `verify` passed (auto, the default), always (1), never (0)")},
+    knobs={"kernel": config.switch("its CUDA kernel or Metal twin: where `verify` passed (auto, the default), always (1), never (0)")},
 )
 
 

@@ -14,6 +14,13 @@ elsewhere it counts the block once, by reason), and the projection wrapper
 takes only those, where stock's ``gather_qmm`` runs ``qmm_sm80``
 (``unsupported``). Every other call goes to the installed function; a marked
 one is counted by reason.
+
+On Metal the ``SwitchGLU.__call__`` wrapper takes a marked decode step's
+routed experts whole (``unsupported_on_metal``): gate and up through
+``kernel.expert_qmv`` in one dispatch, stock's own activation, then down,
+each with the Metal ``gather_qmv`` arithmetic stock's calls get. Each such
+block is counted once there, by reason where it goes to stock; the projection
+wrapper leaves Metal calls alone.
 """
 
 import functools
@@ -23,6 +30,7 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_vlm.models.glm5_next import language as _lang
+from mlx_vlm.models.switch_layers import QuantizedSwitchLinear
 
 from glm53_patches.backend import gpu_backend
 from glm53_patches.kernel_switch import KernelSwitch
@@ -31,7 +39,7 @@ from . import PATCH
 from . import kernel
 
 stats = PATCH.stats
-switch = KernelSwitch(PATCH.name, backends=("cuda",))
+switch = KernelSwitch(PATCH.name, backends=("cuda", "metal"))
 MIN_ROUTES = 8  # below 8 routes (M x B < 8) MLX runs gather_qmv, qmv's arithmetic, not qmm_sm80's
 _inside = threading.local()  # .depth: Glm5NextMoE calls in progress on this thread
 
@@ -79,6 +87,8 @@ def project(module, x, indices, sorted_indices):
     if not getattr(_inside, "depth", 0):
         return None  # not a glm5_next MoE's call: not this patch's to count
     backend = gpu_backend()
+    if backend == "metal":
+        return None  # the SwitchGLU wrapper took this block or counted why not
     if backend != "cuda":
         stats.fallback("no CUDA")
         return None
@@ -111,14 +121,74 @@ def make_moe_call(original):
             return original(self, *args, **kwargs)
         # decided once per block here, so that off CUDA its projections pay one attribute lookup each
         backend = gpu_backend()
-        if backend != "cuda" or not switch.wanted(backend):
-            stats.fallback("no CUDA" if backend != "cuda" else "kernel off (not verified here)")
+        if backend not in switch.backends or not switch.wanted(backend):
+            stats.fallback("no CUDA or Metal" if backend not in switch.backends else "kernel off (not verified here)")
             return original(self, *args, **kwargs)
         _inside.depth = getattr(_inside, "depth", 0) + 1
         try:
             return original(self, *args, **kwargs)
         finally:
             _inside.depth -= 1
+
+    return __call__
+
+
+METAL_BITS = (2, 3, 4, 5, 6, 8)  # what qmv_fast_impl's load_vector and qdot take (1-bit has a tail block)
+
+
+def unsupported_on_metal(glu, x, indices) -> Optional[str]:
+    """Why stock's ``glu(x, indices)`` on Metal is not a decode step whose three projections all run
+    ``affine_gather_qmv_fast`` as the twin does, or None."""
+    if glu.training or x.ndim != 3 or x.shape[1] != 1 or indices.shape[:-1] != x.shape[:-1]:
+        return "not a decode step"  # prefill, and verify blocks (stock's own exact block path)
+    if indices.size >= 64:
+        return "sorted"  # 8 or more sequences: stock sorts the routes first
+    gate, up, down = glu.gate_proj, glu.up_proj, glu.down_proj
+    for module in (gate, up, down):
+        if not isinstance(module, QuantizedSwitchLinear) or module.mode != "affine" or module.get("biases") is None:
+            return "quantization"
+        if module.bits not in METAL_BITS or module.group_size not in (32, 64, 128):
+            return "quantization"
+        if "bias" in module:
+            return "bias"
+        if module["scales"].dtype != x.dtype or module["biases"].dtype != x.dtype:
+            return "dtype"
+        if module["weight"].ndim != 3 or module["weight"].shape[-2] % 8 or module.input_dims % 512:
+            return "shape"  # gather_qmv_fast's shapes; stock runs gather_qmv
+    if x.dtype not in (mx.bfloat16, mx.float16):
+        return "dtype"
+    if (gate.bits, gate.group_size, gate["weight"].shape) != (up.bits, up.group_size, up["weight"].shape):
+        return "gate and up differ"
+    return None
+
+
+def metal_decode(glu, x, indices):
+    """A marked decode step's routed experts on Metal through the twin, shaped as stock's before
+    ``_combine`` (``[..., top_k, hidden]``), or None where the installed function must run."""
+    if not getattr(_inside, "depth", 0) or gpu_backend() != "metal":
+        return None
+    reason = unsupported_on_metal(glu, x, indices)
+    if reason is not None:
+        stats.fallback(reason)
+        return None
+    stats.hit("metal twin")
+    routes = indices.reshape(-1).astype(mx.uint32)
+    gate, up, down = glu.gate_proj, glu.up_proj, glu.down_proj
+    x_up, x_gate = kernel.expert_qmv(x.reshape(-1, x.shape[-1]), routes,
+                                     [(m["weight"], m["scales"], m["biases"]) for m in (up, gate)],
+                                     up.bits, up.group_size)
+    out, = kernel.expert_qmv(glu.activation(x_up, x_gate), routes,
+                             [(down["weight"], down["scales"], down["biases"])], down.bits, down.group_size)
+    return out.reshape(*indices.shape, out.shape[-1])
+
+
+def make_glu_call(original):
+    @functools.wraps(original)
+    def __call__(self, x, indices, weights=None, shared=None, residual=None):
+        routed = metal_decode(self, x, indices)
+        if routed is None:
+            return original(self, x, indices, weights=weights, shared=shared, residual=residual)
+        return self._combine(routed, weights, shared, residual)
 
     return __call__
 

@@ -35,6 +35,7 @@ and s36's are in git history.
 """
 
 from glm53_patches.kernels.build import gpu_kernel
+from glm53_patches.patches.block_qmv.kernel import metal_header
 
 WARPS = 4  # warps per block (a launch shape: changes no bit)
 AHEAD = 1  # steps of 4 groups loaded ahead of the MMA chain (when they arrive changes no bit; 2 was slower, s40)
@@ -176,3 +177,104 @@ def expert_mma(x, w, scales, biases, idx, *, warps=WARPS, ahead=AHEAD):
         output_shapes=[(routes, n)],
         output_dtypes=[x.dtype],
     )[0]
+
+
+# ---- the Metal twin: MLX's Metal gather_qmv, per route, with gate and up sharing their input's loads
+#
+# At decode MLX's Metal ``GatherQMM::eval_gpu`` runs each projection's ``gather_qmm`` (M = 1, unsorted
+# routes) as ``gather_qmv``, and where N is a multiple of 8 and K of 512 as ``affine_gather_qmv_fast``:
+# threadgroups of 2 SIMD-groups of 4 output rows, grid (1, N / 8, routes), each offset to its route's input
+# row and expert (``adjust_matrix_offsets``), then ``qmv_fast_impl``: per block of K each thread loads its
+# input values (``load_vector``), then per row its scale and bias and ``qdot``, ``simd_sum`` at the end. The
+# twin is that body, calling the installed MLX's own ``load_vector`` and ``qdot`` (block_qmv's
+# ``metal_header``), with one or two projections of the same input inside: per block the input is loaded
+# once, then each projection's 4 rows take their ``qdot``s in stock's order. Each (route, row) of each
+# projection gets the calls stock's dispatch of that projection makes, in the same order.
+# Template constants: T, BITS, GROUP, K, N, PER_ROW (consecutive routes per input row).
+METAL_SOURCE = r"""
+  typedef float U;
+  constexpr int packs_per_thread = BITS <= 2 ? 1 : 2;
+  constexpr int results_per_simdgroup = 4;
+  constexpr int pack_factor = get_pack_factor<BITS, 32>();
+  constexpr int bytes_per_pack = get_bytes_per_pack<BITS, 32>();
+  constexpr int values_per_thread = pack_factor * packs_per_thread;
+  constexpr int block_size = values_per_thread * SIMD_SIZE;
+  constexpr int scale_step_per_thread = GROUP / values_per_thread;
+  constexpr int in_vec_size_w = K * bytes_per_pack / pack_factor;
+  constexpr int in_vec_size_g = K / GROUP;
+  const uint simd_gid = simdgroup_index_in_threadgroup;
+  const uint simd_lid = thread_index_in_simdgroup;
+  const uint route = threadgroup_position_in_grid.z;
+  const int out_row = threadgroup_position_in_grid.y * (2 * results_per_simdgroup) +
+      simd_gid * results_per_simdgroup;
+  const size_t expert_row = size_t(idx[route]) * N + out_row;
+
+  const device uint8_t* ws[PROJECTIONS];
+  const device T* sc[PROJECTIONS];
+  const device T* bi[PROJECTIONS];
+  device T* ys[PROJECTIONS];
+%(pointers)s
+  for (int p = 0; p < PROJECTIONS; p++) {
+    ws[p] += expert_row * in_vec_size_w + simd_lid * packs_per_thread * bytes_per_pack;
+    sc[p] += expert_row * in_vec_size_g + simd_lid / scale_step_per_thread;
+    bi[p] += expert_row * in_vec_size_g + simd_lid / scale_step_per_thread;
+  }
+  const device T* xs = x + (route / PER_ROW) * K + simd_lid * values_per_thread;
+
+  thread U x_thread[values_per_thread];
+  thread U result[PROJECTIONS][results_per_simdgroup] = {{0}};
+
+  for (int k = 0; k < K; k += block_size) {
+    U sum = load_vector<T, U, values_per_thread, BITS>(xs, x_thread);
+    for (int p = 0; p < PROJECTIONS; p++) {
+      for (int row = 0; row < results_per_simdgroup; row++) {
+        auto wl = (const device uint8_t*)(ws[p] + row * in_vec_size_w);
+        U s = sc[p][row * in_vec_size_g];
+        U b = bi[p][row * in_vec_size_g];
+        result[p][row] += qdot<U, values_per_thread, BITS>(wl, x_thread, s, b, sum);
+      }
+      ws[p] += block_size * bytes_per_pack / pack_factor;
+      sc[p] += block_size / GROUP;
+      bi[p] += block_size / GROUP;
+    }
+    xs += block_size;
+  }
+
+  for (int p = 0; p < PROJECTIONS; p++) {
+    for (int row = 0; row < results_per_simdgroup; row++) {
+      result[p][row] = simd_sum(result[p][row]);
+      if (simd_lid == 0) {
+        ys[p][route * N + out_row + row] = static_cast<T>(result[p][row]);
+      }
+    }
+  }
+"""
+
+
+def _expert_qmv_kernel(projections):
+    names = [f"{what}{p}" for p in range(projections) for what in ("w", "scales", "biases")]
+    pointers = "".join(f"  ws[{p}] = (const device uint8_t*)w{p};\n  sc[{p}] = scales{p};\n  bi[{p}] = biases{p};\n"
+                       f"  ys[{p}] = out{p};\n" for p in range(projections))
+    source = f"  constexpr int PROJECTIONS = {projections};\n" + METAL_SOURCE % {"pointers": pointers}
+    return dict(name=f"glm53_expert_qmv{projections}", inputs=["x", "idx", *names],
+                outputs=[f"out{p}" for p in range(projections)], metal=(source, metal_header()))
+
+
+def expert_qmv(x, idx, projections, bits, group_size):
+    """Route r of ``idx`` (``[R]`` uint32) through expert ``idx[r]`` of each ``(w, scales, biases)`` in
+    ``projections`` (one, or two of one shape: gate and up), as MLX's Metal ``gather_qmv`` computes each:
+    a list of ``[R, N]``. ``x`` is ``[X, K]``, X dividing R: routes r of one row ``r // (R / X)``. N must be
+    a multiple of 8 and K of 512 (``affine_gather_qmv_fast``'s shapes)."""
+    rows, k = x.shape
+    routes, n = idx.shape[0], projections[0][0].shape[1]
+    if routes % rows or k % 512 or n % 8:
+        raise ValueError(f"expert_qmv: {routes} routes over {rows} input rows, K {k}, N {n}")
+    return gpu_kernel(backend="metal", **_expert_qmv_kernel(len(projections)))(
+        inputs=[x, idx, *(a for projection in projections for a in projection)],
+        template=[("T", x.dtype), ("BITS", bits), ("GROUP", group_size), ("K", k), ("N", n),
+                  ("PER_ROW", routes // rows)],
+        grid=(32, 2 * (n // 8), routes),  # gather_qmv's threadgroups of (32, 2): 8 rows of one route each
+        threadgroup=(32, 2, 1),
+        output_shapes=[(routes, n)] * len(projections),
+        output_dtypes=[x.dtype] * len(projections),
+    )

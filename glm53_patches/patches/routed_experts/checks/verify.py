@@ -16,6 +16,19 @@ On CUDA:
    2, every logit and the caches after each rollback, the kernel forced on.
    It fails if the kernel never ran.
 
+On Metal:
+
+1. the op: stock's ``SwitchGLU.__call__`` (three ``gather_qmm``) against the
+   patch's replacement on the same random experts (64 of them; gate and up
+   2048 x 4096, down 4096 x 2048), as a decode step calls it, at batch 1, 2
+   and 7 (8 to 56 routes, unsorted), 4-bit group 64 bf16 as the model ships,
+   then 8- and 6-bit, group 32 and 128, float16, and 2-, 3- and 5-bit at
+   smaller widths; the routed outputs before the weighted sum;
+2. the tiny random-weight model, 4-bit, bf16, hidden size 512, experts 512
+   wide (K a multiple of 512 both ways, gather_qmv_fast's shapes), top-8 of
+   16: greedy decode and verify blocks at batch 1 and 2, every logit and
+   cache, the twin forced on. It fails if the twin never ran.
+
 Every op case runs stock twice and is inconclusive where stock differs from
 itself. On the CPU there is no kernel: the patch steps aside, and only check 2
 runs (stock both times).
@@ -25,13 +38,14 @@ import contextlib
 import time
 
 import mlx.core as mx
-from mlx_vlm.models.switch_layers import QuantizedSwitchLinear
+from mlx_vlm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from glm53_patches import registry, tiny_model
 from glm53_patches.backend import current as backend
 from glm53_patches.exactness import Tally, abs_diff, compare_tiny_models, same_bits
 
 TARGET = "mlx_vlm.models.switch_layers:QuantizedSwitchLinear.__call__"
+GLU_TARGET = "mlx_vlm.models.switch_layers:SwitchGLU.__call__"
 EXPERTS = 64
 SHAPES = [("gate/up", 2048, 4096), ("down", 4096, 2048)]
 # (label, input batch shape, route indices shape): how a step or block calls a projection
@@ -111,16 +125,71 @@ def check_op(tally):
             tally.add(name, exact, 0.0 if exact else abs_diff(expected, actual))
 
 
-def check_tiny_models(tally, on_gpu):
+# On Metal: (label, hidden, experts' width, bits, group, dtype, batch): a decode step's SwitchGLU
+METAL_CALLS = [
+    *[(f"batch {batch}", 4096, 2048, 4, 64, mx.bfloat16, batch) for batch in (1, 2, 7)],
+    ("8-bit", 4096, 2048, 8, 64, mx.bfloat16, 1),
+    ("6-bit", 4096, 2048, 6, 64, mx.bfloat16, 1),
+    ("group 32", 4096, 2048, 4, 32, mx.bfloat16, 1),
+    ("group 128", 4096, 2048, 4, 128, mx.bfloat16, 2),
+    ("float16", 4096, 2048, 4, 64, mx.float16, 2),
+    *[(f"{bits}-bit", 1024, 512, bits, 64, mx.bfloat16, 2) for bits in (2, 3, 5)],
+]
+
+
+def glu_case(hidden, width, bits, group, dtype, batch, seed):
+    """A SwitchGLU of EXPERTS random quantized experts scaled like a layer's, a decode step's input
+    ``[batch, 1, hidden]`` and its top-8 routes."""
+    keys = mx.random.split(mx.random.key(seed), 5)
+    glu = SwitchGLU(32, 32, 1)  # then given the case's experts
+    for key, name, (n, k) in zip(keys, ("gate_proj", "up_proj", "down_proj"),
+                                 ((width, hidden), (width, hidden), (hidden, width))):
+        module = QuantizedSwitchLinear(k, n, EXPERTS, bias=False, group_size=group, bits=bits)
+        weight = (mx.random.normal((EXPERTS, n, k), key=key) * k**-0.5).astype(dtype)
+        module.weight, module.scales, module.biases = mx.quantize(weight, group_size=group, bits=bits)
+        setattr(glu, name, module)
+    glu.eval()
+    x = mx.random.normal((batch, 1, hidden), key=keys[3]).astype(dtype)
+    picks = mx.argsort(mx.random.uniform(shape=(batch, 1, EXPERTS), key=keys[4]), axis=-1)
+    indices = picks[..., :8].astype(mx.uint32)
+    mx.eval(glu.parameters(), x, indices)
+    return glu, x, indices
+
+
+def check_metal_op(tally):
+    from .. import experts
+
+    stock = registry.upstream(GLU_TARGET)
+    for seed, (label, hidden, width, bits, group, dtype, batch) in enumerate(METAL_CALLS):
+        name = f"SwitchGLU {hidden}/{width}, {label}, decode at batch {batch}"
+        try:
+            glu, x, indices = glu_case(hidden, width, bits, group, dtype, batch, seed)
+            reason = experts.unsupported_on_metal(glu, x, indices)
+            if reason is not None:
+                raise ValueError(f"the patch would not take this call ({reason})")
+            expected, again = stock(glu, x, indices), stock(glu, x, indices)
+            with marked():
+                actual = experts.metal_decode(glu, x, indices)
+            mx.eval(expected, again, actual)
+        except Exception as exc:  # a twin that does not build or launch is not verified
+            tally.failed(name, exc)
+            continue
+        tally.against_stock(name, expected, again, actual)
+
+
+def check_tiny_models(tally, here):
     from .. import experts
 
     # bf16 on a GPU (the kernel's dtype); elsewhere (stock both times) as the CPU runs it
-    variants = [("4-bit", 4, mx.bfloat16 if on_gpu else None)]
-    config = {**tiny_model.gpu_widths(), "hidden_size": 512, "moe_intermediate_size": 256, "n_routed_experts": 16,
-              "num_experts_per_tok": 8}
-    stock = registry.upstream(TARGET)
-    compare_tiny_models(tally, QuantizedSwitchLinear, "__call__", stock, experts.make_projection_call(stock), marked,
-                        steps=4, variants=variants, config=config, blocks=True)
+    variants = [("4-bit", 4, mx.bfloat16 if here in ("cuda", "metal") else None)]
+    # experts 256 wide on CUDA (K a multiple of 256 both ways), 512 on Metal (gather_qmv_fast's K)
+    config = {**tiny_model.gpu_widths(), "hidden_size": 512, "moe_intermediate_size": 512 if here == "metal" else 256,
+              "n_routed_experts": 16, "num_experts_per_tok": 8}
+    owner, target, make = ((SwitchGLU, GLU_TARGET, experts.make_glu_call) if here == "metal" else
+                           (QuantizedSwitchLinear, TARGET, experts.make_projection_call))
+    stock = registry.upstream(target)
+    compare_tiny_models(tally, owner, "__call__", stock, make(stock), marked, steps=4, variants=variants,
+                        config=config, blocks=True)
 
 
 def verify():
@@ -129,14 +198,16 @@ def verify():
     start = time.perf_counter()
     here = backend()
     tally = Tally()
-    cuda = here == "cuda"
-    if cuda:
+    if here == "cuda":
         check_op(tally)
-    before = PATCH.stats.snapshot()["hits"].get("kernel", 0)
-    check_tiny_models(tally, cuda)
-    ran = PATCH.stats.snapshot()["hits"].get("kernel", 0) - before
-    if cuda and not ran:  # equal outputs prove nothing if stock ran both times
-        tally.mismatches.append("the kernel never ran in the model check")
-    if not cuda:
-        tally.notes.append(f"no CUDA here ({here}): the patch steps aside (stock code)")
+    elif here == "metal":
+        check_metal_op(tally)
+    hit = "metal twin" if here == "metal" else "kernel"
+    before = PATCH.stats.snapshot()["hits"].get(hit, 0)
+    check_tiny_models(tally, here)
+    ran = PATCH.stats.snapshot()["hits"].get(hit, 0) - before
+    if here in ("cuda", "metal") and not ran:  # equal outputs prove nothing if stock ran both times
+        tally.mismatches.append(f"the {hit} never ran in the model check")
+    if here not in ("cuda", "metal"):
+        tally.notes.append(f"no CUDA or Metal here ({here}): the patch steps aside (stock code)")
     return tally.result(time.perf_counter() - start)
