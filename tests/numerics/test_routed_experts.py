@@ -24,6 +24,14 @@ There is no GPU here, so:
 The tiny model here has a hidden size of 512, experts 256 wide and top-8 of
 16, served in bf16: the shapes qmm_sm80 and the kernel (K a multiple of 256)
 take.
+
+The Metal twin (a decode step's SwitchGLU: gate and up in one dispatch, then
+down) is emulated against stock's Metal kernel in ``tests/metal``. Here, with
+Metal pretended and the twin answered by stock's ``gather_qmm``, on a tiny
+model with experts 512 wide (gather_qmv_fast's K): the coverage rules, decode
+and verify blocks bit for bit (also under expert_combine and layer_decode),
+what the twin is handed, that reversed routes change the logits, and verify's
+Metal op cases through the wrapper.
 """
 
 import mlx.core as mx
@@ -167,26 +175,32 @@ def stock_expert_mma(x, w, scales, biases, idx, **settings):
     return mx.gather_qmm(per_route, w, scales, biases, rhs_indices=idx, transpose=True, group_size=64, bits=4)[:, 0, :]
 
 
-def run_pretending(monkeypatch, model, names):
-    """``outputs`` with ``names`` applied (their counters reset) and routed_experts' kernel forced on, CUDA
-    pretended; the "kernel" records what it is handed and answers with ``stock_expert_mma``. Returns the
-    outputs and the record."""
+def run_pretending(monkeypatch, model, names, backend="cuda", stand_in=None, run=outputs):
+    """``run(model)`` (default ``outputs``) with ``names`` applied (their counters reset) and routed_experts'
+    kernel forced on, ``backend`` pretended; the kernel (CUDA's ``expert_mma`` or Metal's ``expert_qmv``)
+    records the shapes it is handed and answers with ``stand_in`` (default: stock's ``gather_qmm``).
+    Returns the outputs and the record."""
     from glm53_patches import registry
 
+    name, stand_in = (("expert_mma", stand_in or stock_expert_mma) if backend == "cuda" else
+                      ("expert_qmv", stand_in or stock_expert_qmv))
     seen = []
 
-    def recorder(x, w, scales, biases, idx):
-        seen.append((idx.shape[0], x.shape[0], x.shape[1], w.shape[1]))
-        return stock_expert_mma(x, w, scales, biases, idx)
+    def recorder(*args):
+        if backend == "cuda":  # x, w, scales, biases, idx: (routes, input rows, K, N)
+            seen.append((args[4].shape[0], args[0].shape[0], args[0].shape[1], args[1].shape[1]))
+        else:  # x, idx, projections, bits, group_size: (routes, input rows, projections, K, N)
+            seen.append((args[1].shape[0], args[0].shape[0], len(args[2]), args[0].shape[1], args[2][0][0].shape[1]))
+        return stand_in(*args)
 
-    monkeypatch.setattr(experts, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernel, "expert_mma", recorder)
-    for name in names:
-        registry.available()[name].stats.reset()
+    monkeypatch.setattr(experts, "gpu_backend", lambda: backend)
+    monkeypatch.setattr(kernel, name, recorder)
+    for patch in names:
+        registry.available()[patch].stats.reset()
     glm53_patches.enable(names, strict=True)
     try:
         with experts.switch.forcing(True):
-            return outputs(model), seen
+            return run(model), seen
     finally:
         glm53_patches.disable()
 
@@ -203,22 +217,25 @@ def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stoc
     assert set(fallbacks) == {"sorted"}  # the prompt's prefill: 24 x 8 routes, which stock sorts first
 
 
-def test_under_expert_combine_and_layer_decode(monkeypatch, model, stock_outputs):
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_under_expert_combine_and_layer_decode(request, monkeypatch, backend):
     """expert_combine's MoE.__call__ calls the experts itself (its kernel pretended with stock's combine):
-    the marking wrapper must be outside it. layer_decode traces the MoE layers with the kernel inside."""
-    from mlx_vlm.models.switch_layers import SwitchGLU
-
+    the marking wrapper must be outside it. layer_decode traces the MoE layers with the kernel (CUDA) or
+    the twin (Metal) inside."""
     from glm53_patches.patches import expert_combine, layer_decode
     from glm53_patches.patches.expert_combine import combine
 
-    monkeypatch.setattr(combine, "gpu_backend", lambda: "cuda")
+    prefix = "" if backend == "cuda" else "metal_"
+    model, stock = request.getfixturevalue(prefix + "model"), request.getfixturevalue(prefix + "stock_outputs")
+    monkeypatch.setattr(combine, "gpu_backend", lambda: backend)
     monkeypatch.setattr(combine, "unsupported", lambda *args: None)
     monkeypatch.setattr(combine, "expert_combine", lambda routed, weights, shared: SwitchGLU._combine(
         routed, weights, shared))
     with combine.switch.forcing(True):
-        actual, seen = run_pretending(monkeypatch, model, ["expert_combine", NAME, "layer_decode"])
-    assert_bitwise(stock_outputs, actual, "routed_experts under expert_combine and layer_decode")
-    assert seen and counts()[0]["kernel"] == len(seen)
+        actual, seen = run_pretending(monkeypatch, model, ["expert_combine", NAME, "layer_decode"], backend)
+    assert_bitwise(stock, actual, f"routed_experts on {backend} under expert_combine and layer_decode")
+    hits = counts()[0]
+    assert seen and (hits["kernel"] == len(seen) if backend == "cuda" else hits["metal twin"] == len(seen) // 2)
     assert expert_combine.PATCH.stats.snapshot()["hits"]
     assert layer_decode.PATCH.stats.snapshot()["hits"]
 
@@ -317,31 +334,8 @@ def stock_expert_qmv(x, idx, projections, bits, group_size):
                           bits=bits)[:, 0, :] for w, s, b in projections]
 
 
-def run_pretending_metal(monkeypatch, model, names, stand_in=stock_expert_qmv, run=outputs):
-    """``run(model)`` with ``names`` applied and the twin forced on, Metal pretended; the twin records what it is
-    handed and answers with ``stand_in``. Returns the outputs and the record."""
-    from glm53_patches import registry
-
-    seen = []
-
-    def recorder(x, idx, projections, bits, group_size):
-        seen.append((idx.shape[0], x.shape[0], len(projections), x.shape[1], projections[0][0].shape[1]))
-        return stand_in(x, idx, projections, bits, group_size)
-
-    monkeypatch.setattr(experts, "gpu_backend", lambda: "metal")
-    monkeypatch.setattr(kernel, "expert_qmv", recorder)
-    for name in names:
-        registry.available()[name].stats.reset()
-    glm53_patches.enable(names, strict=True)
-    try:
-        with experts.switch.forcing(True):
-            return run(model), seen
-    finally:
-        glm53_patches.disable()
-
-
 def test_on_metal_the_twin_gets_stocks_arguments(monkeypatch, metal_model, metal_stock_outputs):
-    actual, seen = run_pretending_metal(monkeypatch, metal_model, [NAME])
+    actual, seen = run_pretending(monkeypatch, metal_model, [NAME], "metal")
     assert_bitwise(metal_stock_outputs, actual, "decode and verify blocks, the twin's calls answered by gather_qmm")
     # decode at batch 1 and 2: gate and up of one input per token (2 projections), then down of an input per route
     assert {(8, 1, 2, 512, 512), (8, 8, 1, 512, 512), (16, 2, 2, 512, 512), (16, 16, 1, 512, 512)} == set(seen)
@@ -356,31 +350,13 @@ def test_on_metal_a_wrong_route_changes_the_outputs(monkeypatch, metal_model):
     steps = lambda model: greedy_logits(model, PROMPT, 2)  # noqa: E731
     glm53_patches.disable()
     stock = steps(metal_model)
-    right, _ = run_pretending_metal(monkeypatch, metal_model, [NAME], run=steps)
+    right, _ = run_pretending(monkeypatch, metal_model, [NAME], "metal", run=steps)
     assert_bitwise(stock, right, "the right routes")
     reversed_routes = lambda x, idx, *a: stock_expert_qmv(x, idx[::-1], *a)  # noqa: E731
-    wrong, seen = run_pretending_metal(monkeypatch, metal_model, [NAME], reversed_routes, run=steps)
+    wrong, seen = run_pretending(monkeypatch, metal_model, [NAME], "metal", reversed_routes, run=steps)
     assert seen
     with pytest.raises(AssertionError):
         assert_bitwise(stock, wrong, "routes reversed")
-
-
-def test_on_metal_under_expert_combine_and_layer_decode(monkeypatch, metal_model, metal_stock_outputs):
-    """expert_combine calls the experts from its MoE wrapper (its kernel pretended with stock's combine);
-    layer_decode traces the MoE layers, the twin inside."""
-    from glm53_patches.patches import expert_combine, layer_decode
-    from glm53_patches.patches.expert_combine import combine
-
-    monkeypatch.setattr(combine, "gpu_backend", lambda: "metal")
-    monkeypatch.setattr(combine, "unsupported", lambda *args: None)
-    monkeypatch.setattr(combine, "expert_combine", lambda routed, weights, shared: SwitchGLU._combine(
-        routed, weights, shared))
-    with combine.switch.forcing(True):
-        actual, seen = run_pretending_metal(monkeypatch, metal_model, ["expert_combine", NAME, "layer_decode"])
-    assert_bitwise(metal_stock_outputs, actual, "the Metal twin under expert_combine and layer_decode")
-    assert seen and counts()[0]["metal twin"]
-    assert expert_combine.PATCH.stats.snapshot()["hits"]
-    assert layer_decode.PATCH.stats.snapshot()["hits"]
 
 
 def test_verifys_metal_op_check_runs_through_the_wrapper(monkeypatch):

@@ -168,6 +168,8 @@ def metal_decode(glu, x, indices):
     if not getattr(_inside, "depth", 0) or gpu_backend() != "metal":
         return None
     reason = unsupported_on_metal(glu, x, indices)
+    if reason is None and kernel.metal_header() is None:
+        reason = "no MLX Metal headers"  # the twin calls MLX's own qdot, read from them
     if reason is not None:
         stats.fallback(reason)
         return None
