@@ -36,7 +36,8 @@ VERIFIED_S28 = {
 #   s44 with s42's narrower projections, 59 cases, code digest c1215e0deb55; s46 with s44's view of the
 #   block's rows (the launch unchanged), 59 cases, code digest b8a9b9733d68.
 # - routed_experts: the weights as the MMA's A operand, s41, 24 cases, code digest d5bc2540797f; again in s48 with
-#   the Metal twin beside it (the CUDA path unchanged), 24 cases, code digest f453a0bca5c5 (s37's
+#   the Metal twin beside it (the CUDA path unchanged), 24 cases, code digest f453a0bca5c5 (then f96d2257f127:
+#   a Metal-only step-aside added, not verified again) (s37's
 #   side-by-side kernel before it: 26 cases, 1c92c91bb6e8, launch e7752bbe06ed...; s36's: 34 cases, 8f0583f2a930,
 #   launch 049d2749752a...).
 # - kda_verify_kernel: written in s37 without a GPU, verified in s38: 18 cases (one inconclusive: stock not
