@@ -238,6 +238,11 @@ def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch):
 # The host check's cases (name, batch, tokens, heads, head dim, dtype, padding, state_steps, FMA_STATE) by index.
 HOST_CASES = {i: case for i, case in enumerate(host_check.cases())}
 PADDED_128 = 1  # "2 heads of 128, bf16, padded batch of 3"
+# Here with 9 tokens, rows padded by 0, 4 and 7, rather than the check's 21 and 0, 4, 13: its host emulation took
+# 170-300 s of a 2-core CI worker and once ran past the check's 300 s guard (s48). The same paths: 128 lanes, bf16,
+# rows padded by none, some and most.
+HOST_CASES[PADDED_128] = (*HOST_CASES[PADDED_128][:2], 9, *HOST_CASES[PADDED_128][3:6], [0, 4, 7],
+                          *HOST_CASES[PADDED_128][7:])
 PADDED_40 = 2  # "2 heads of 40, float32, no fma", padded too
 CHOSEN = (PADDED_128, PADDED_40, 4)  # + "5 heads of 32, bf16, padded batch with history"
 
