@@ -59,14 +59,19 @@ def outputs(model):
     return greedy_logits(model, PROMPT, 4) + greedy_logits(model, batch, 3) + speculative_outputs(model, PROMPT)
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_language_model(expert_width, seed):
+    """The tiny model, 4-bit, served in bf16, hidden size 512, ``expert_width``-wide experts, top-8 of 16."""
     from glm53_patches.exactness import _served_dtype
     from glm53_patches.tiny_model import gpu_widths
 
-    config = {**gpu_widths(), "hidden_size": 512, "moe_intermediate_size": 256, "n_routed_experts": 16,
+    config = {**gpu_widths(), "hidden_size": 512, "moe_intermediate_size": expert_width, "n_routed_experts": 16,
               "num_experts_per_tok": 8}
-    return _served_dtype(build_model(seed=2, quantize_bits=4, **config), mx.bfloat16).language_model
+    return _served_dtype(build_model(seed=seed, quantize_bits=4, **config), mx.bfloat16).language_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_language_model(256, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -276,12 +281,7 @@ def test_verifys_op_check_runs_through_the_wrapper(monkeypatch):
 @pytest.fixture(scope="module")
 def metal_model():
     """Experts 512 wide, so that down's K, like gate's and up's, is a multiple of 512: gather_qmv_fast's shapes."""
-    from glm53_patches.exactness import _served_dtype
-    from glm53_patches.tiny_model import gpu_widths
-
-    config = {**gpu_widths(), "hidden_size": 512, "moe_intermediate_size": 512, "n_routed_experts": 16,
-              "num_experts_per_tok": 8}
-    return _served_dtype(build_model(seed=3, quantize_bits=4, **config), mx.bfloat16).language_model
+    return tiny_language_model(512, seed=3)
 
 
 @pytest.fixture(scope="module")
