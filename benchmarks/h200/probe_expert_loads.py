@@ -28,10 +28,9 @@ Usage: python probe_expert_loads.py [--out FILE.json]   (CUDA only)
 """
 
 import mlx.core as mx
-from probe_expert_mma import main, pool_of, stock, time_arms  # the same experts, routes, timing and output
+from probe_expert_mma import main, one, pool_of, stock, time_arms  # the same experts, routes, timing and output
 
 from glm53_patches.kernels.build import gpu_kernel
-from glm53_patches.patches.routed_experts.kernel import expert_mma
 
 WARPS = 4
 
@@ -96,7 +95,7 @@ def loads(x, w, scales, biases, idx, mode):
 
 def probe(label, n, k, routes):
     pool, per_route = pool_of(n, k, routes)
-    arms = {"stock gather_qmm": stock, "expert_mma": expert_mma, "fragment": lambda *a: loads(*a, 0),
+    arms = {"stock gather_qmm": stock, "expert_mma": one, "fragment": lambda *a: loads(*a, 0),
             "fragment + x": lambda *a: loads(*a, 1), "side by side": lambda *a: loads(*a, 2),
             "stream": lambda *a: loads(*a, 3)}
     row = {"label": label, "n": n, "k": k, "routes": routes, "arms": time_arms(arms, pool, routes, per_route)}

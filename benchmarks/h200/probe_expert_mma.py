@@ -43,15 +43,21 @@ EXPERTS, GROUP, BITS = 64, 64, 4
 ROUNDS, REPS, POOL = 5, 20, 16  # s35: 5 arms' timings took about 15 s of a 55 s run
 
 
+def one(x, w, scales, biases, idx, **settings):
+    """The patch's kernel on one projection, in the order of the probes' operands."""
+    return expert_mma(x, idx, [(w, scales, biases)], **settings)[0]
+
+
 def stock(x, w, scales, biases, idx):
     return mx.gather_qmm(x[:, None, :], w, scales, biases, rhs_indices=idx, transpose=True, group_size=GROUP,
                          bits=BITS)[:, 0, :]
 
 
-def pool_of(n, k, routes):
-    """POOL calls' operands over one set of 64 random 4-bit experts ([n, k] each): a random input per route
-    and random top-8 picks. Also returns the bytes of one route's weights, scales and biases."""
-    key = mx.random.key(n + k)
+def pool_of(n, k, routes, seed=0):
+    """POOL calls' operands over one set of 64 random 4-bit experts ([n, k] each; ``seed`` picks the set): a
+    random input per route and random top-8 picks, the same for every set. Also returns the bytes of one
+    route's weights, scales and biases."""
+    key = mx.random.key(n + k + seed)
     weight = (mx.random.normal((EXPERTS, n, k), key=key) * k**-0.5).astype(mx.bfloat16)
     w, s, b = mx.quantize(weight, group_size=GROUP, bits=BITS)
     del weight
@@ -124,14 +130,14 @@ def load_baseline(path):
 def probe(label, n, k, routes, baseline=None):
     pool, per_route = pool_of(n, k, routes)
     arms = {"stock": stock, **({"baseline": baseline} if baseline else {}),
-            "kernel": expert_mma,  # the default: 4 warps, 1 step ahead
-            "2 ahead": lambda *a: expert_mma(*a, ahead=2),
-            "3 ahead": lambda *a: expert_mma(*a, ahead=3),
-            "8 warps": lambda *a: expert_mma(*a, warps=8),
-            "2 warps": lambda *a: expert_mma(*a, warps=2)}
+            "kernel": one,  # the default: 4 warps, 1 step ahead
+            "2 ahead": lambda *a: one(*a, ahead=2),
+            "3 ahead": lambda *a: one(*a, ahead=3),
+            "8 warps": lambda *a: one(*a, warps=8),
+            "2 warps": lambda *a: one(*a, warps=2)}
     expected = [stock(*p) for p in pool]  # stock's outputs, computed once for every check
     row = compare(label, n, k, routes, arms, pool, per_route, expected)
-    row["max_deviation"] = max(mx.max(mx.abs(expert_mma(*p).astype(mx.float32) - e.astype(mx.float32))).item()
+    row["max_deviation"] = max(mx.max(mx.abs(one(*p).astype(mx.float32) - e.astype(mx.float32))).item()
                                for p, e in zip(pool, expected))
     print(f"    max deviation (kernel) {row['max_deviation']:g}", flush=True)
     return row

@@ -22,9 +22,8 @@ kernel (routed_experts' PATCH.md).
 Usage: python probe_expert_stage.py [--out FILE.json]   (CUDA only)
 """
 
-from probe_expert_mma import compare, launch, main, pool_of, stock  # the same experts, routes, timing, output
+from probe_expert_mma import compare, launch, main, one, pool_of, stock  # the same experts, routes, timing, output
 
-from glm53_patches.patches.routed_experts.kernel import expert_mma
 
 # Template constants: K, N, PER_ROW (as the patch's kernel), WARPS, SB (bytes of a row per slot: 256 or 512),
 # STAGES (slots per warp), EARLY (1: the first copies are issued before the block lays out the input).
@@ -141,7 +140,7 @@ def staged(*operands, warps, sb, stages, early):
 
 def probe(label, n, k, routes):
     pool, per_route = pool_of(n, k, routes)
-    arms = {"stock": stock, "kernel": expert_mma}
+    arms = {"stock": stock, "kernel": one}
     for warps, sb, stages, early in SETTINGS:
         arms[f"staged {warps}w {sb}B x{stages}{' early' if early else ''}"] = (
             lambda *a, warps=warps, sb=sb, stages=stages, early=early: staged(*a, warps=warps, sb=sb, stages=stages,

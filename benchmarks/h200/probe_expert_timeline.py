@@ -24,7 +24,7 @@ Usage: python probe_expert_timeline.py [--out FILE.json]   (CUDA only)
 import statistics
 
 import mlx.core as mx
-from probe_expert_mma import launch, main, pool_of, stock, time_arms
+from probe_expert_mma import launch, main, one, pool_of, stock, time_arms
 
 from glm53_patches.patches.routed_experts import kernel
 
@@ -125,7 +125,7 @@ def summary(stamps, steps):
 def probe(label, n, k, routes):
     pool, per_route = pool_of(n, k, routes)
     exact = all(mx.array_equal(timeline(*p)[0], stock(*p)).item() for p in pool)
-    arms = {"stock": stock, "kernel": kernel.expert_mma, "instrumented": lambda *a: timeline(*a)[0]}
+    arms = {"stock": stock, "kernel": one, "instrumented": lambda *a: timeline(*a)[0]}
     times = time_arms(arms, pool, routes, per_route)
     calls = []
     for p in pool[:4]:  # one call at a time, each evaluated alone

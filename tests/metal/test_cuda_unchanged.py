@@ -37,7 +37,8 @@ VERIFIED_S28 = {
 #   block's rows (the launch unchanged), 59 cases, code digest b8a9b9733d68.
 # - routed_experts: the weights as the MMA's A operand, s41, 24 cases, code digest d5bc2540797f; again in s48 with
 #   the Metal twin beside it (the CUDA path unchanged), 24 cases, code digest f453a0bca5c5 (then f96d2257f127:
-#   a Metal-only step-aside added, not verified again) (s37's
+#   a Metal-only step-aside added, not verified again); s49 with a decode step's up and gate in one launch
+#   (blockIdx.z picks the projection), 34 cases, code digest 80e8f61599b9 (s48's launch 2fa1c13c93e8...) (s37's
 #   side-by-side kernel before it: 26 cases, 1c92c91bb6e8, launch e7752bbe06ed...; s36's: 34 cases, 8f0583f2a930,
 #   launch 049d2749752a...).
 # - kda_verify_kernel: written in s37 without a GPU, verified in s38: 18 cases (one inconclusive: stock not
@@ -50,7 +51,7 @@ VERIFIED_H100 = {
     "dsa_decode": "d7ac80fc619206980774120401ad64ecebc1796b6da67619f6f873c4b604ac98",
     "block_qmv": "fb3bc7ce590cb9ff3bee97cd28f3bcf2e90fb3f2bc6ab9633b07d85ee62a9b29",
     "kda_verify_kernel": "ba9751bd9a555d20fe696a68a3ed1d6ffeddd1d32a310c3ae1d2bdce3983c142",
-    "routed_experts": "2fa1c13c93e8be44b7d987b76227605aec3861ce8aaf6ca47ef49e72dbf8558b",
+    "routed_experts": "d228700b1dc650951c816821697a9f077af49903bec12809fd75620ee8a6f82a",
 }
 
 

@@ -173,11 +173,10 @@ def test_only_glm5_next_moe_calls_are_taken(applied):
     assert counts() == ({}, {"no CUDA": 1})  # marked, as a CPU never is: the CUDA wrapper's own count
 
 
-def stock_expert_mma(x, w, scales, biases, idx, **settings):
-    """Stands in for ``kernel.expert_mma`` (whose settings change no bit): stock's ``gather_qmm`` over the
-    routes, each route's input row found as the kernel finds it (``r // (R / X)``)."""
-    per_route = mx.repeat(x, idx.shape[0] // x.shape[0], axis=0)[:, None, :]
-    return mx.gather_qmm(per_route, w, scales, biases, rhs_indices=idx, transpose=True, group_size=64, bits=4)[:, 0, :]
+def stock_expert_mma(x, idx, projections, **settings):
+    """Stands in for ``kernel.expert_mma`` (whose settings change no bit): stock's ``gather_qmm`` for each
+    projection over the routes, each route's input row found as the kernel finds it (``r // (R / X)``)."""
+    return stock_expert_qmv(x, idx, projections, 4, 64)
 
 
 def run_pretending(monkeypatch, model, names, backend="cuda", stand_in=None, run=outputs):
@@ -191,12 +190,9 @@ def run_pretending(monkeypatch, model, names, backend="cuda", stand_in=None, run
                       ("expert_qmv", stand_in or stock_expert_qmv))
     seen = []
 
-    def recorder(*args):
-        if backend == "cuda":  # x, w, scales, biases, idx: (routes, input rows, K, N)
-            seen.append((args[4].shape[0], args[0].shape[0], args[0].shape[1], args[1].shape[1]))
-        else:  # x, idx, projections, bits, group_size: (routes, input rows, projections, K, N)
-            seen.append((args[1].shape[0], args[0].shape[0], len(args[2]), args[0].shape[1], args[2][0][0].shape[1]))
-        return stand_in(*args)
+    def recorder(x, idx, projections, *args, **kwargs):  # (routes, input rows, projections, K, N)
+        seen.append((idx.shape[0], x.shape[0], len(projections), x.shape[1], projections[0][0].shape[1]))
+        return stand_in(x, idx, projections, *args, **kwargs)
 
     monkeypatch.setattr(experts, "gpu_backend", lambda: backend)
     monkeypatch.setattr(kernel, name, recorder)
@@ -213,10 +209,11 @@ def run_pretending(monkeypatch, model, names, backend="cuda", stand_in=None, run
 def test_where_the_kernel_runs_it_gets_stocks_arguments(monkeypatch, model, stock_outputs):
     actual, seen = run_pretending(monkeypatch, model, [NAME])
     assert_bitwise(stock_outputs, actual, "decode and verify blocks, the kernel's calls answered by gather_qmm")
-    kinds = {(routes, rows) for routes, rows, *_ in seen}
-    assert {(8, 1), (8, 8), (16, 2), (16, 16)} <= kinds  # decode at batch 1 and 2: gate/up, then down
-    assert {(8 * n, n) for n in range(2, 9)} <= kinds  # verify blocks of 2 to 8 positions: an input each
-    assert {(k, n) for *_, k, n in seen} == {(512, 256), (256, 512)}  # gate/up, down
+    # decode at batch 1 and 2: gate and up of one input per token in one launch, then down of an input per route
+    decode = {(8, 1, 2, 512, 256), (8, 8, 1, 256, 512), (16, 2, 2, 512, 256), (16, 16, 1, 256, 512)}
+    # verify blocks of 2 to 8 positions: gate, up (an input per position) and down (an input per route) apart
+    blocks = {kind for n in range(2, 9) for kind in ((8 * n, n, 1, 512, 256), (8 * n, 8 * n, 1, 256, 512))}
+    assert set(seen) == decode | blocks
     hits, fallbacks = counts()
     assert hits["kernel"] == len(seen)
     assert set(fallbacks) == {"sorted"}  # the prompt's prefill: 24 x 8 routes, which stock sorts first
@@ -261,18 +258,70 @@ def test_verifys_op_check_runs_through_the_wrapper(monkeypatch):
     from glm53_patches.patches.routed_experts.checks import verify
 
     monkeypatch.setattr(verify, "SHAPES", [("gate/up", 256, 512), ("down", 512, 256)])
+    monkeypatch.setattr(verify, "GLU_CALLS", [(label, 512, 256, *rest) for label, _, _, *rest in verify.GLU_CALLS])
     monkeypatch.setattr(verify, "EXPERTS", 16)
     monkeypatch.setattr(experts, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernel, "expert_mma", stock_expert_mma)
+    calls = []
+    monkeypatch.setattr(kernel, "expert_mma", lambda x, idx, projections, **settings: calls.append(
+        (len(projections), settings)) or stock_expert_mma(x, idx, projections))
     tally = Tally()
     verify.check_op(tally)
     result = tally.result(0.1)
     assert result["exact"], result["detail"]
-    assert result["cases"] == 2 * (len(verify.CALLS) + len(verify.SETTINGS))
-    monkeypatch.setattr(kernel, "expert_mma", lambda x, w, s, b, idx, **kw: stock_expert_mma(x, w, s, b, idx[::-1]))
+    assert result["cases"] == 2 * (len(verify.CALLS) + len(verify.SETTINGS)) + len(verify.PAIR_SETTINGS) + len(
+        verify.GLU_CALLS)
+    # the settings reach the kernel, and the pairs and decode steps take two projections in one launch
+    assert {(1, str(s)) for s in verify.SETTINGS} | {(2, str(s)) for s in verify.PAIR_SETTINGS} <= {
+        (p, str(s)) for p, s in calls}
+    assert sum(p == 2 and not s for p, s in calls) == 1 + len(verify.GLU_CALLS)
+    monkeypatch.setattr(kernel, "expert_mma", lambda x, idx, *a, **kw: stock_expert_mma(x, idx[::-1], *a))
     wrong = Tally()
     verify.check_op(wrong)
     assert not wrong.result(0.1)["exact"]
+    assert len(wrong.mismatches) == result["cases"]
+
+
+def test_on_cuda_a_decode_step_takes_gate_and_up_together_only_where_both_take_the_kernel(monkeypatch):
+    monkeypatch.setattr(kernel, "expert_mma", stock_expert_mma)
+    x, idx = mx.zeros((1, 1, 512), mx.bfloat16), mx.zeros((1, 1, 8), mx.uint32)
+    taken = experts.cuda_decode(switch_glu(), x, idx)
+    assert taken is not None and taken.shape == (1, 1, 8, 512)  # stock's routed outputs before _combine
+    seven = mx.zeros((7, 1, 512), mx.bfloat16), mx.zeros((7, 1, 8), mx.uint32)
+    assert experts.cuda_decode(switch_glu(), *seven) is not None  # 56 routes, unsorted
+    block = mx.zeros((1, 4, 512), mx.bfloat16), mx.zeros((1, 4, 8), mx.uint32)
+    assert experts.cuda_decode(switch_glu(), *block) is None  # stock's block path calls the projections
+    eight = mx.zeros((8, 1, 512), mx.bfloat16), mx.zeros((8, 1, 8), mx.uint32)
+    assert experts.cuda_decode(switch_glu(), *eight) is None  # 64 routes: stock sorts them
+    assert experts.cuda_decode(switch_glu(bits=8), x, idx) is None  # not qmm_sm80's 4-bit arithmetic
+    assert experts.cuda_decode(switch_glu(), x.astype(mx.float16), idx) is None
+    odd = switch_glu()
+    odd.up_proj = switch_linear(384, 512)
+    assert experts.cuda_decode(odd, x, idx) is None  # one launch takes projections of one shape
+    training = switch_glu()
+    training.train()
+    assert experts.cuda_decode(training, x, idx) is None
+    assert experts.cuda_decode(SwitchGLU(512, 512, 16), x, idx) is None  # not quantized
+
+
+@pytest.mark.parametrize("fault", ["routes reversed", "up and gate swapped"])
+def test_on_cuda_a_wrong_gate_and_up_launch_changes_the_outputs(monkeypatch, model, fault):
+    """The model comparison can fail where a decode step's gate and up share a launch (CUDA pretended): that
+    launch answered with the routes reversed, or its two outputs swapped, gives other logits."""
+    steps = lambda model: greedy_logits(model, PROMPT, 2)  # noqa: E731
+    glm53_patches.disable()
+    stock = steps(model)
+
+    def faulty(x, idx, projections, **settings):
+        if len(projections) == 1:
+            return stock_expert_mma(x, idx, projections)
+        if fault == "routes reversed":
+            return stock_expert_mma(x, idx[::-1], projections)
+        return stock_expert_mma(x, idx, projections)[::-1]
+
+    wrong, seen = run_pretending(monkeypatch, model, [NAME], "cuda", faulty, run=steps)
+    assert any(projections == 2 for _, _, projections, *_ in seen)
+    with pytest.raises(AssertionError):
+        assert_bitwise(stock, wrong, fault)
 
 
 # ---- the Metal twin: a decode step's SwitchGLU, gate and up in one dispatch (Metal pretended here)

@@ -5,7 +5,8 @@ bits are ``gather_qmm``'s. This checks, on the CPU, what does not depend on
 the hardware's arithmetic: which bytes, scales and biases each lane takes,
 how the 4-bit weights are unpacked into the MMA's A operand, which input words
 feed B, which accumulator is written where, the routes and their input
-rows. ``glm53_patches.checks.host_emulation`` runs every warp as 32 threads;
+rows, and in a launch of two projections (a decode step's up and gate)
+which blocks take which. ``glm53_patches.checks.host_emulation`` runs every warp as 32 threads;
 the one ``mma.sync.m16n8k16.row.col`` is replaced by a stand-in with PTX's
 fragment layout (each lane's registers gathered through a warp barrier, the
 16 x 8 product summed in float in k order), and a bf16 operation is float
@@ -78,26 +79,30 @@ MMA = re.compile(r'asm volatile\("mma\.sync[^;]*;"\s*:\s*"\+f"\((.*?)\),\s*"\+f"
 
 PROGRAM = r"""
 template <int K, int N, int PER_ROW, int WARPS, int AHEAD>
-void body(const bf16* x, const uint32_t* w, const bf16* scales, const bf16* biases, const uint32_t* idx, bf16* out) {
+void body(const bf16* x, const uint32_t* idx, %(params)s) {
 %(source)s
 }
 
 int main(int argc, char** argv) {
-  constexpr int E = %(E)d, R = %(R)d, X = %(X)d, K = %(K)d, N = %(N)d, WARPS = %(WARPS)d;
+  constexpr int E = %(E)d, R = %(R)d, X = %(X)d, K = %(K)d, N = %(N)d, WARPS = %(WARPS)d, P = %(P)d;
   auto x = load<bf16>(argv[1], X * K);
-  auto w = load<uint32_t>(argv[2], E * N * K / 8);
-  auto scales = load<bf16>(argv[3], E * N * K / 64);
-  auto biases = load<bf16>(argv[4], E * N * K / 64);
-  auto idx = load<uint32_t>(argv[5], R);
-  std::vector<bf16> out(R * N, bf16(-7.0f));  // poison: every output must be written
+  auto idx = load<uint32_t>(argv[2], R);
+  std::vector<std::vector<uint32_t>> w;
+  std::vector<std::vector<bf16>> scales, biases, out;
+  for (int p = 0; p < P; ++p) {
+    w.push_back(load<uint32_t>(argv[3 + 3 * p], E * N * K / 8));
+    scales.push_back(load<bf16>(argv[4 + 3 * p], E * N * K / 64));
+    biases.push_back(load<bf16>(argv[5 + 3 * p], E * N * K / 64));
+    out.emplace_back(R * N, bf16(-7.0f));  // poison: every output must be written
+  }
   constexpr unsigned GX = N / (%(ROWS)d * WARPS);
-  run_blocks(GX * R, 32 * WARPS, [&] {
+  run_blocks(GX * R * P, 32 * WARPS, [&] {
     const unsigned b = blockIdx.x;
-    blockIdx = {b %% GX, b / GX, 0};
-    body<K, N, R / X, WARPS, %(AHEAD)d>(x.data(), w.data(), scales.data(), biases.data(), idx.data(), out.data());
+    blockIdx = {b %% GX, (b / GX) %% R, b / (GX * R)};
+    body<K, N, R / X, WARPS, %(AHEAD)d>(x.data(), idx.data(), %(args)s);
   });
-  FILE* f = std::fopen(argv[6], "wb");
-  std::fwrite(out.data(), 2, out.size(), f);
+  FILE* f = std::fopen(argv[3 + 3 * P], "wb");
+  for (int p = 0; p < P; ++p) std::fwrite(out[p].data(), 2, out[p].size(), f);
   std::fclose(f);
   return 0;
 }
@@ -111,54 +116,76 @@ def host_source(source):
     return host
 
 
-def run(tmp, x, w, scales, biases, idx, source=None, warps=kernel.WARPS, ahead=kernel.AHEAD):
-    """The kernel's output ``[R, N]`` as float32, run on the host."""
-    (rows, k), routes, (experts, n) = x.shape, idx.shape[0], w.shape[:2]
-    paths = [tmp / f"in{i}" for i in range(5)] + [tmp / "out"]
-    for array, path in zip((x, w, scales, biases, idx), paths):
+def run(tmp, x, idx, projections, source=None, warps=kernel.WARPS, ahead=kernel.AHEAD):
+    """The kernel's outputs (``[R, N]`` float32, one per projection), run on the host."""
+    (rows, k), routes, (experts, n) = x.shape, idx.shape[0], projections[0][0].shape[:2]
+    count = len(projections)
+    arrays = [x, idx, *(a for projection in projections for a in projection)]
+    paths = [tmp / f"in{i}" for i in range(len(arrays))] + [tmp / "out"]
+    for array, path in zip(arrays, paths):
         _to_file(array, path)
+    params = [f"const uint32_t* w{p}, const bf16* scales{p}, const bf16* biases{p}" for p in range(count)]
+    args = [f"w[{p}].data(), scales[{p}].data(), biases[{p}].data()" for p in range(count)]
     program = PRELUDE + STAND_INS + PROGRAM % {
-        "source": host_source(source or kernel.SOURCE), "E": experts, "R": routes, "X": rows, "K": k, "N": n,
-        "WARPS": warps, "AHEAD": ahead, "ROWS": kernel.ROWS}
+        "source": host_source(source or kernel.cuda_source(count)), "E": experts, "R": routes, "X": rows, "K": k,
+        "N": n, "WARPS": warps, "AHEAD": ahead, "ROWS": kernel.ROWS, "P": count,
+        "params": ", ".join(params + [f"bf16* out{p}" for p in range(count)]),
+        "args": ", ".join(args + [f"out[{p}].data()" for p in range(count)])}
     build_and_run(tmp, program, paths, timeout=120)
     bits = np.fromfile(paths[-1], dtype=np.uint16)
-    return np.array(mx.array(bits).view(mx.bfloat16).astype(mx.float32)).reshape(routes, n)
+    return list(np.array(mx.array(bits).view(mx.bfloat16).astype(mx.float32)).reshape(count, routes, n))
 
 
-def case(rows, routes, n=256, k=512, experts=16, seed=0):
-    """Random 4-bit experts, inputs and routes (distinct experts per 8), and the float32 reference."""
-    keys = mx.random.split(mx.random.key(seed), 3)
-    weight = (mx.random.normal((experts, n, k), key=keys[0]) * k**-0.5).astype(mx.bfloat16)
-    w, scales, biases = mx.quantize(weight, group_size=64, bits=4)
-    x = mx.random.normal((rows, k), key=keys[1]).astype(mx.bfloat16)
-    picks = mx.argsort(mx.random.uniform(shape=(routes // 8, experts), key=keys[2]), axis=-1)[:, :8]
+def case(rows, routes, n=256, k=512, experts=16, seed=0, count=1):
+    """Random 4-bit experts (``count`` projections of them), inputs and routes (distinct experts per 8), and
+    each projection's float32 reference."""
+    keys = mx.random.split(mx.random.key(seed), 2 + count)
+    x = mx.random.normal((rows, k), key=keys[0]).astype(mx.bfloat16)
+    picks = mx.argsort(mx.random.uniform(shape=(routes // 8, experts), key=keys[1]), axis=-1)[:, :8]
     idx = picks.reshape(-1).astype(mx.uint32)
-    dense = np.array(mx.dequantize(w, scales, biases, group_size=64, bits=4).astype(mx.float32))
     xs = np.repeat(np.array(x.astype(mx.float32)), routes // rows, axis=0)
-    expected = np.einsum("rnk,rk->rn", dense[np.array(idx)], xs)
-    return (x, w, scales, biases, idx), expected
+    projections, expected = [], []
+    for key in keys[2:]:
+        weight = (mx.random.normal((experts, n, k), key=key) * k**-0.5).astype(mx.bfloat16)
+        w, scales, biases = mx.quantize(weight, group_size=64, bits=4)
+        dense = np.array(mx.dequantize(w, scales, biases, group_size=64, bits=4).astype(mx.float32))
+        projections.append((w, scales, biases))
+        expected.append(np.einsum("rnk,rk->rn", dense[np.array(idx)], xs))
+    return (x, idx, projections), expected
 
 
 def error(actual, expected):
-    """The largest difference, relative to the largest output."""
-    assert not np.any(actual == -7.0), "an output was never written"
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+    """The largest difference over the projections, relative to each one's largest output."""
+    assert not any(np.any(a == -7.0) for a in actual), "an output was never written"
+    return max(float(np.max(np.abs(a - e)) / np.max(np.abs(e))) for a, e in zip(actual, expected))
 
 
-@pytest.mark.parametrize("rows, routes, settings", [
-    (1, 8, {}),                            # a decode step: one input for the token's 8 routes
-    (8, 8, {}),                            # an input per route
-    (2, 16, {"warps": 2, "ahead": 3}),     # a verify block of 2: an input per position's 8
-    (4, 32, {"ahead": 2}),                 # a verify block of 4
+@pytest.mark.parametrize("rows, routes, settings, count", [
+    (1, 8, {}, 1),                            # a decode step: one input for the token's 8 routes
+    (8, 8, {}, 1),                            # an input per route
+    (2, 16, {"warps": 2, "ahead": 3}, 1),     # a verify block of 2: an input per position's 8
+    (4, 32, {"ahead": 2}, 1),                 # a verify block of 4
+    (1, 8, {}, 2),                            # a decode step's up and gate in one launch
+    (2, 16, {"warps": 2}, 2),                 # batch 2's
 ])
-def test_the_kernel_text_computes_each_routes_matvec(tmp_path, rows, routes, settings):
-    args, expected = case(rows, routes, seed=rows + routes)
+def test_the_kernel_text_computes_each_routes_matvec(tmp_path, rows, routes, settings, count):
+    args, expected = case(rows, routes, seed=rows + routes + count, count=count)
     assert error(run(tmp_path, *args, **settings), expected) < 2e-2  # bf16 output: about 4e-3
 
 
 def test_an_operand_in_the_wrong_place_fails(tmp_path):
     """The check can fail: two of the MMA's weight registers swapped (k 0-7 and 8-15 of each chunk crossed)."""
-    wrong = kernel.SOURCE.replace('"r"(a0), "r"(a1), "r"(a2), "r"(a3)', '"r"(a2), "r"(a1), "r"(a0), "r"(a3)')
-    assert wrong != kernel.SOURCE
+    source = kernel.cuda_source(1)
+    wrong = source.replace('"r"(a0), "r"(a1), "r"(a2), "r"(a3)', '"r"(a2), "r"(a1), "r"(a0), "r"(a3)')
+    assert wrong != source
     args, expected = case(1, 8, seed=3)
+    assert error(run(tmp_path, *args, source=wrong), expected) > 0.2
+
+
+def test_a_launch_of_two_projections_writes_each_to_its_own_output(tmp_path):
+    """The check can fail: each projection's blocks writing the other's output."""
+    source = kernel.cuda_source(2)
+    wrong = source.replace("out = blockIdx.z == 1 ? out1 : out0", "out = blockIdx.z == 1 ? out0 : out1")
+    assert wrong != source
+    args, expected = case(1, 8, seed=5, count=2)
     assert error(run(tmp_path, *args, source=wrong), expected) > 0.2

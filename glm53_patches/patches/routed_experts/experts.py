@@ -13,7 +13,10 @@ wrappers of the same method, which call the ``SwitchGLU`` themselves;
 elsewhere it counts the block once, by reason), and the projection wrapper
 takes only those, where stock's ``gather_qmm`` runs ``qmm_sm80``
 (``unsupported``). Every other call goes to the installed function; a marked
-one is counted by reason.
+one is counted by reason. A decode step's gate and up, one input for both,
+go to the kernel together, in one launch (the ``SwitchGLU.__call__``
+wrapper, ``cuda_decode``); its down projection, and every projection of a
+verify block, come through the projection wrapper.
 
 On Metal the ``SwitchGLU.__call__`` wrapper takes a marked decode step's
 routed experts whole (``unsupported_on_metal``): gate and up through
@@ -100,9 +103,12 @@ def project(module, x, indices, sorted_indices):
         stats.fallback(reason)
         return None
     stats.hit("kernel")
-    out = kernel.expert_mma(x.reshape(-1, x.shape[-1]), module["weight"], module["scales"], module["biases"],
-                            indices.reshape(-1).astype(mx.uint32))
+    out, = kernel.expert_mma(x.reshape(-1, x.shape[-1]), indices.reshape(-1).astype(mx.uint32), [tensors(module)])
     return out.reshape(*indices.shape, 1, out.shape[-1])  # unsupported: the indices' shape is the batch
+
+
+def tensors(module):
+    return module["weight"], module["scales"], module["biases"]
 
 
 def make_projection_call(original):
@@ -119,7 +125,7 @@ def make_moe_call(original):
     def __call__(self, *args, **kwargs):
         if not isinstance(self, _lang.Glm5NextMoE):
             return original(self, *args, **kwargs)
-        # decided once per block here, so that off CUDA its projections pay one attribute lookup each
+        # decided once per block here, so that off CUDA and Metal its projections pay one attribute lookup each
         backend = gpu_backend()
         if backend not in switch.backends or not switch.wanted(backend):
             stats.fallback("no CUDA or Metal" if backend not in switch.backends else "kernel off (not verified here)")
@@ -162,11 +168,30 @@ def unsupported_on_metal(glu, x, indices) -> Optional[str]:
     return None
 
 
+def cuda_decode(glu, x, indices):
+    """A marked decode step's routed experts on CUDA with gate and up in one launch of the kernel, then stock's
+    activation and down projection (which the projection wrapper takes), shaped as stock's before ``_combine``;
+    or None where the installed function must run (its projections are then offered one by one)."""
+    if glu.training or x.ndim != 3 or x.shape[1] != 1:
+        return None  # prefill and verify blocks: stock's own paths call the projections
+    gate, up = glu.gate_proj, glu.up_proj
+    if not (isinstance(gate, QuantizedSwitchLinear) and isinstance(up, QuantizedSwitchLinear)):
+        return None
+    x = mx.expand_dims(x, (-2, -3))  # as stock's: [B, 1, 1, 1, H] against the routes' [B, 1, top_k]
+    sort = indices.size >= 64
+    if (unsupported(gate, x, indices, sort) or unsupported(up, x, indices, sort)
+            or gate["weight"].shape != up["weight"].shape):
+        return None  # the projection wrapper counts why, call by call
+    stats.hit("kernel")
+    x_up, x_gate = kernel.expert_mma(x.reshape(-1, x.shape[-1]), indices.reshape(-1).astype(mx.uint32),
+                                     [tensors(up), tensors(gate)])
+    activated = glu.activation(x_up, x_gate).reshape(*indices.shape, 1, x_up.shape[-1])
+    return glu.down_proj(activated, indices).squeeze(-2)
+
+
 def metal_decode(glu, x, indices):
     """A marked decode step's routed experts on Metal through the twin, shaped as stock's before
     ``_combine`` (``[..., top_k, hidden]``), or None where the installed function must run."""
-    if not getattr(_inside, "depth", 0) or gpu_backend() != "metal":
-        return None
     reason = unsupported_on_metal(glu, x, indices)
     if reason is None and kernel.metal_header() is None:
         reason = "no MLX Metal headers"  # the twin calls MLX's own qdot, read from them
@@ -176,18 +201,26 @@ def metal_decode(glu, x, indices):
     stats.hit("metal twin")
     routes = indices.reshape(-1).astype(mx.uint32)
     gate, up, down = glu.gate_proj, glu.up_proj, glu.down_proj
-    x_up, x_gate = kernel.expert_qmv(x.reshape(-1, x.shape[-1]), routes,
-                                     [(m["weight"], m["scales"], m["biases"]) for m in (up, gate)],
+    x_up, x_gate = kernel.expert_qmv(x.reshape(-1, x.shape[-1]), routes, [tensors(up), tensors(gate)],
                                      up.bits, up.group_size)
-    out, = kernel.expert_qmv(glu.activation(x_up, x_gate), routes,
-                             [(down["weight"], down["scales"], down["biases"])], down.bits, down.group_size)
+    out, = kernel.expert_qmv(glu.activation(x_up, x_gate), routes, [tensors(down)], down.bits, down.group_size)
     return out.reshape(*indices.shape, out.shape[-1])
+
+
+def decode_step(glu, x, indices):
+    """``glu(x, indices)``'s routed outputs before ``_combine`` where this backend's path takes a marked
+    decode step whole, or None."""
+    if not getattr(_inside, "depth", 0):
+        return None
+    backend = gpu_backend()
+    return cuda_decode(glu, x, indices) if backend == "cuda" else (
+        metal_decode(glu, x, indices) if backend == "metal" else None)
 
 
 def make_glu_call(original):
     @functools.wraps(original)
     def __call__(self, x, indices, weights=None, shared=None, residual=None):
-        routed = metal_decode(self, x, indices)
+        routed = decode_step(self, x, indices)
         if routed is None:
             return original(self, x, indices, weights=weights, shared=shared, residual=residual)
         return self._combine(routed, weights, shared, residual)

@@ -32,6 +32,12 @@ once per block so that a lane reads its 8 words of a group as two loads.
 Each weight is dequantized as a bf16 pair ``128 + q`` minus 128 (exact),
 then one fma, as ``qmm_sm80`` does. s37's kernel (input as A, 8 rows a warp)
 and s36's are in git history.
+
+One launch can take several projections of the same input and shape (a
+decode step's gate and up): ``blockIdx.z`` picks a block's projection, and
+every block runs the same body. At 8 routes one projection's 256 blocks
+leave the card's memory pipes half idle (1.5 TB/s against 2.05 at 32
+routes, s41); two in one launch keep twice the warps in flight.
 """
 
 from glm53_patches.kernels.build import gpu_kernel
@@ -44,7 +50,8 @@ BITS, GROUP = 4, 64  # what it covers: 4-bit affine, groups of 64 (qmm_sm80's BK
 STEP, MAX_K = 256, 16384  # K: a multiple of a step (4 groups), and its input must fit the block's shared memory
 
 # Template constants: K, N, PER_ROW (consecutive routes per input row: every route, a position's top-k, or 1),
-# WARPS, AHEAD.
+# WARPS, AHEAD. ``cuda_source`` puts before it which projection's w, scales, biases and out a block takes
+# (``blockIdx.z``): each projection's blocks run this same body.
 SOURCE = r"""
   const int lane = threadIdx.x & 31, warp_in_block = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -156,27 +163,45 @@ SOURCE = r"""
   }
 """
 
-EXPERT_MMA = dict(name="glm53_expert_mma", inputs=["x", "w", "scales", "biases", "idx"], outputs=["out"],
-                  cuda=(SOURCE, None))
+def _pick(name, projections):
+    """The body's ``name`` (``w``, ``scales``, ``biases``, ``out``): projection ``blockIdx.z``'s."""
+    choice = f"{name}0"
+    for p in range(1, projections):
+        choice = f"blockIdx.z == {p} ? {name}{p} : {choice}"
+    return f"  const auto {name} = {choice};\n"
 
 
-def expert_mma(x, w, scales, biases, idx, *, warps=WARPS, ahead=AHEAD):
-    """Route r of ``idx`` (``[R]`` uint32) through expert ``idx[r]`` of ``w`` (``[E, N, K / 8]``, 4-bit, group
-    64, bf16 ``scales`` and ``biases``; N a multiple of 16 x ``warps``, K of ``STEP``): ``[R, N]``. ``x`` is
-    ``[X, K]``, X dividing R: routes r of one row ``r // (R / X)`` (one input for every route, one per
-    position's top-k, or one per route). ``warps`` and ``ahead`` are launch and probe settings."""
+def cuda_source(projections):
+    """The kernel's text for ``projections`` projections of one input (blockIdx.z picks one)."""
+    return "".join(_pick(name, projections) for name in ("w", "scales", "biases", "out")) + SOURCE
+
+
+def _expert_mma_kernel(projections):
+    names = [f"{what}{p}" for p in range(projections) for what in ("w", "scales", "biases")]
+    return dict(name=f"glm53_expert_mma{projections}", inputs=["x", "idx", *names],
+                outputs=[f"out{p}" for p in range(projections)], cuda=(cuda_source(projections), None))
+
+
+def expert_mma(x, idx, projections, *, warps=WARPS, ahead=AHEAD):
+    """Route r of ``idx`` (``[R]`` uint32) through expert ``idx[r]`` of each ``(w, scales, biases)`` in
+    ``projections`` (one, or several of one shape: gate and up, in one launch): a list of ``[R, N]``. ``w`` is
+    ``[E, N, K / 8]``, 4-bit, group 64, with bf16 scales and biases; N a multiple of 16 x ``warps``, K of
+    ``STEP``. ``x`` is ``[X, K]``, X dividing R: routes r of one row ``r // (R / X)`` (one input for every route,
+    one per position's top-k, or one per route). ``warps`` and ``ahead`` are launch and probe settings."""
     rows, k = x.shape
-    routes, n = idx.shape[0], w.shape[1]
-    if routes % rows or k % STEP or n % (ROWS * warps):
-        raise ValueError(f"expert_mma: {routes} routes over {rows} input rows, K {k}, N {n}, {warps} warps")
-    return gpu_kernel(backend="cuda", **EXPERT_MMA)(
-        inputs=[x, w, scales, biases, idx],
+    routes, n = idx.shape[0], projections[0][0].shape[1]
+    if routes % rows or k % STEP or n % (ROWS * warps) or any(w.shape != projections[0][0].shape
+                                                               for w, _, _ in projections):
+        raise ValueError(f"expert_mma: {routes} routes over {rows} input rows, K {k}, N {n}, {warps} warps, "
+                         f"projections {[w.shape for w, _, _ in projections]}")
+    return gpu_kernel(backend="cuda", **_expert_mma_kernel(len(projections)))(
+        inputs=[x, idx, *(a for projection in projections for a in projection)],
         template=[("K", k), ("N", n), ("PER_ROW", routes // rows), ("WARPS", warps), ("AHEAD", ahead)],
-        grid=(n // (ROWS * warps) * 32 * warps, routes, 1),
+        grid=(n // (ROWS * warps) * 32 * warps, routes, len(projections)),
         threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(routes, n)],
-        output_dtypes=[x.dtype],
-    )[0]
+        output_shapes=[(routes, n)] * len(projections),
+        output_dtypes=[x.dtype] * len(projections),
+    )
 
 
 # ---- the Metal twin: MLX's Metal gather_qmv, per route, with gate and up sharing their input's loads

@@ -9,12 +9,17 @@ On CUDA:
    one input; 8 routes of their own inputs), at batch 2 (16 routes) and in
    verify blocks of 2 and 7 positions (16 and 56 routes, each position's
    input shared by its 8); then the kernel's other settings, which must change
-   nothing: 2 and 8 warps, 2 and 3 steps loaded ahead;
+   nothing: 2 and 8 warps, 2 and 3 steps loaded ahead; up and gate of one
+   input in one launch, each against its own stock call, at three settings;
+   stock's ``SwitchGLU.__call__`` against the patch's decode step (gate and
+   up in one launch, then stock's down) at batch 1, 2 and 7;
 2. the tiny random-weight model, 4-bit, bf16, with hidden size 512, experts
    256 wide and top-8 of 16, so that its routed experts take ``qmm_sm80``
    and the kernel (K a multiple of 256 both ways): greedy decode and speculative verify blocks at batch 1 and
-   2, every logit and the caches after each rollback, the kernel forced on.
-   It fails if the kernel never ran.
+   2, every logit and the caches after each rollback, the kernel forced on,
+   once behind ``SwitchGLU.__call__`` (a decode step's gate and up together)
+   and once behind ``QuantizedSwitchLinear.__call__`` (each projection
+   alone). It fails if the kernel never ran.
 
 On Metal:
 
@@ -58,6 +63,7 @@ CALLS = [
 ]
 SETTINGS = [dict(warps=2), dict(warps=8), dict(ahead=2), dict(ahead=3),
             dict(ahead=3, warps=8)]  # 3 ahead: 16 and 8 steps are not multiples of 3
+PAIR_SETTINGS = [{}, dict(warps=2), dict(ahead=3, warps=8)]
 
 
 def case(n, k, x_batch, routes_shape, seed):
@@ -115,19 +121,44 @@ def check_op(tally):
         for settings in SETTINGS:
             name = f"{label} {n}x{k}, verify block of 7, {settings}"
             try:
-                actual = kernel.expert_mma(x.reshape(-1, k), module["weight"], module["scales"], module["biases"],
-                                           indices.reshape(-1), **settings)
+                actual, = kernel.expert_mma(x.reshape(-1, k), indices.reshape(-1), [experts.tensors(module)],
+                                            **settings)
                 mx.eval(expected, actual)
             except Exception as exc:
                 tally.failed(name, exc)
                 continue
             exact = same_bits(expected, actual)
             tally.add(name, exact, 0.0 if exact else abs_diff(expected, actual))
+    check_pairs(tally)
+    check_glu(tally, GLU_CALLS)
 
 
-# On Metal: (label, hidden, experts' width, bits, group, dtype, batch): a decode step's SwitchGLU
+def check_pairs(tally):
+    """Two projections of one input in one launch (a decode step's up and gate), each against its stock call."""
+    from .. import experts, kernel
+
+    stock = registry.upstream(TARGET)
+    _, n, k = SHAPES[0]
+    up, x, indices = case(n, k, (1, 1, 1), (1, 1, 8), 200)
+    gate = case(n, k, (1, 1, 1), (1, 1, 8), 201)[0]
+    expected = [stock(module, x, indices).reshape(-1, n) for module in (up, gate)]
+    for settings in PAIR_SETTINGS:
+        name = f"up and gate {n}x{k} in one launch, decode, {settings}"
+        try:
+            actual = kernel.expert_mma(x.reshape(-1, k), indices.reshape(-1),
+                                       [experts.tensors(up), experts.tensors(gate)], **settings)
+            mx.eval(expected, actual)
+        except Exception as exc:
+            tally.failed(name, exc)
+            continue
+        exact = all(same_bits(e, a) for e, a in zip(expected, actual))
+        tally.add(name, exact, 0.0 if exact else max(abs_diff(e, a) for e, a in zip(expected, actual)))
+
+
+# (label, hidden, experts' width, bits, group, dtype, batch): a decode step's SwitchGLU, on CUDA and on Metal
+GLU_CALLS = [(f"batch {batch}", 4096, 2048, 4, 64, mx.bfloat16, batch) for batch in (1, 2, 7)]
 METAL_CALLS = [
-    *[(f"batch {batch}", 4096, 2048, 4, 64, mx.bfloat16, batch) for batch in (1, 2, 7)],
+    *GLU_CALLS,
     ("8-bit", 4096, 2048, 8, 64, mx.bfloat16, 1),
     ("6-bit", 4096, 2048, 6, 64, mx.bfloat16, 1),
     ("group 32", 4096, 2048, 4, 32, mx.bfloat16, 1),
@@ -156,45 +187,56 @@ def glu_case(hidden, width, bits, group, dtype, batch, seed):
     return glu, x, indices
 
 
-def check_metal_op(tally):
+def check_glu(tally, calls):
+    """Stock's ``SwitchGLU.__call__`` against the patch's decode step on this backend (CUDA: gate and up in one
+    launch, then stock's down; Metal: the twin throughout), the routed outputs before the weighted sum."""
     from .. import experts
 
     stock = registry.upstream(GLU_TARGET)
-    for seed, (label, hidden, width, bits, group, dtype, batch) in enumerate(METAL_CALLS):
+    for seed, (label, hidden, width, bits, group, dtype, batch) in enumerate(calls):
         name = f"SwitchGLU {hidden}/{width}, {label}, decode at batch {batch}"
         try:
             glu, x, indices = glu_case(hidden, width, bits, group, dtype, batch, seed)
-            reason = experts.unsupported_on_metal(glu, x, indices)
-            if reason is not None:
-                raise ValueError(f"the patch would not take this call ({reason})")
             expected, again = stock(glu, x, indices), stock(glu, x, indices)
             with marked():
-                actual = experts.metal_decode(glu, x, indices)
+                actual = experts.decode_step(glu, x, indices)
+            if actual is None:
+                raise ValueError("the patch would not take this call (see its fallback counts)")
             mx.eval(expected, again, actual)
-        except Exception as exc:  # a twin that does not build or launch is not verified
+        except Exception as exc:  # a kernel that does not build or launch is not verified
             tally.failed(name, exc)
             continue
         tally.against_stock(name, expected, again, actual)
 
 
+def check_metal_op(tally):
+    check_glu(tally, METAL_CALLS)
+
+
 def check_tiny_models(tally, here):
-    from .. import experts
+    from .. import PATCH, experts
 
     # bf16 on a GPU (the kernel's dtype); elsewhere (stock both times) as the CPU runs it
     variants = [("4-bit", 4, mx.bfloat16 if here in ("cuda", "metal") else None)]
     # experts 256 wide on CUDA (K a multiple of 256 both ways), 512 on Metal (gather_qmv_fast's K)
     config = {**tiny_model.gpu_widths(), "hidden_size": 512, "moe_intermediate_size": 512 if here == "metal" else 256,
               "n_routed_experts": 16, "num_experts_per_tok": 8}
-    owner, target, make = ((SwitchGLU, GLU_TARGET, experts.make_glu_call) if here == "metal" else
-                           (QuantizedSwitchLinear, TARGET, experts.make_projection_call))
-    stock = registry.upstream(target)
-    compare_tiny_models(tally, owner, "__call__", stock, make(stock), marked, steps=4, variants=variants,
-                        config=config, blocks=True)
+    # on CUDA both wrappers, one at a time: the decode step's gate and up in one launch (SwitchGLU), then
+    # every projection alone (QuantizedSwitchLinear: decode steps and verify blocks)
+    glu, projection = (SwitchGLU, GLU_TARGET, experts.make_glu_call), (QuantizedSwitchLinear, TARGET,
+                                                                        experts.make_projection_call)
+    hit = "metal twin" if here == "metal" else "kernel"
+    for owner, target, make in {"cuda": [glu, projection], "metal": [glu]}.get(here, [projection]):
+        stock = registry.upstream(target)
+        before = PATCH.stats.snapshot()["hits"].get(hit, 0)
+        compare_tiny_models(tally, owner, "__call__", stock, make(stock), marked, steps=4, variants=variants,
+                            config=config, blocks=True)
+        ran = PATCH.stats.snapshot()["hits"].get(hit, 0) - before
+        if here in ("cuda", "metal") and not ran:  # equal outputs prove nothing if stock ran both times
+            tally.mismatches.append(f"the {hit} never ran behind {owner.__name__}.__call__ in the model check")
 
 
 def verify():
-    from .. import PATCH
-
     start = time.perf_counter()
     here = backend()
     tally = Tally()
@@ -202,12 +244,7 @@ def verify():
         check_op(tally)
     elif here == "metal":
         check_metal_op(tally)
-    hit = "metal twin" if here == "metal" else "kernel"
-    before = PATCH.stats.snapshot()["hits"].get(hit, 0)
     check_tiny_models(tally, here)
-    ran = PATCH.stats.snapshot()["hits"].get(hit, 0) - before
-    if here in ("cuda", "metal") and not ran:  # equal outputs prove nothing if stock ran both times
-        tally.mismatches.append(f"the {hit} never ran in the model check")
     if here not in ("cuda", "metal"):
         tally.notes.append(f"no CUDA or Metal here ({here}): the patch steps aside (stock code)")
     return tally.result(time.perf_counter() - start)
