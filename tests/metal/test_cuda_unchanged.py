@@ -38,7 +38,8 @@ VERIFIED_S28 = {
 # - routed_experts: the weights as the MMA's A operand, s41, 24 cases, code digest d5bc2540797f; again in s48 with
 #   the Metal twin beside it (the CUDA path unchanged), 24 cases, code digest f453a0bca5c5 (then f96d2257f127:
 #   a Metal-only step-aside added, not verified again); s49 with a decode step's up and gate in one launch
-#   (blockIdx.z picks the projection), 34 cases, code digest 80e8f61599b9 (s48's launch 2fa1c13c93e8...) (s37's
+#   (blockIdx.z picks the projection), 34 cases, code digest 80e8f61599b9, and on its final docstrings, 34 cases,
+#   code digest 3342d0e42719 (s48's launch 2fa1c13c93e8...) (s37's
 #   side-by-side kernel before it: 26 cases, 1c92c91bb6e8, launch e7752bbe06ed...; s36's: 34 cases, 8f0583f2a930,
 #   launch 049d2749752a...).
 # - kda_verify_kernel: written in s37 without a GPU, verified in s38: 18 cases (one inconclusive: stock not
