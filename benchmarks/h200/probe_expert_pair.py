@@ -20,7 +20,7 @@ import argparse
 import json
 
 import mlx.core as mx
-from probe_expert_mma import one, pool_of, stock, time_arms
+from probe_expert_mma import exact_arms, one, pool_of, stock, time_arms
 
 from glm53_patches.patches.routed_experts.kernel import expert_mma
 
@@ -37,10 +37,7 @@ def probe(routes):
         "kernel, 1 launch": lambda x, idx, up, gate: expert_mma(x, idx, [up, gate]),
         "1 launch, 8 warps": lambda x, idx, up, gate: expert_mma(x, idx, [up, gate], warps=8),
     }
-    expected = [arms["stock, 2 calls"](*p) for p in pool]
-    mx.eval(expected)
-    exact = {name: all(all(mx.array_equal(a, e).item() for a, e in zip(fn(*p), want))
-                       for p, want in zip(pool, expected)) for name, fn in arms.items()}
+    exact = exact_arms(arms, pool, [arms["stock, 2 calls"](*p) for p in pool])
     row = {"n": N, "k": K, "routes": routes, "exact": exact,
            "arms": time_arms(arms, pool, 2 * routes, per_route)}  # GB/s of both projections' routes
     print(f"up and gate {N}x{K}, {routes} routes", flush=True)
