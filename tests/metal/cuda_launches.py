@@ -176,17 +176,20 @@ def _routed_experts():
     from glm53_patches.patches.routed_experts import kernel
     from glm53_patches.patches.routed_experts.checks.verify import CALLS, EXPERTS, PAIR_SETTINGS, SETTINGS, SHAPES
 
+    def projection(n, k):  # an expert set's weights, scales and biases
+        return mx.zeros((EXPERTS, n, k // 8), mx.uint32), *[mx.zeros((EXPERTS, n, k // 64), mx.bfloat16)] * 2
+
     for _, n, k in SHAPES:
-        projection = mx.zeros((EXPERTS, n, k // 8), mx.uint32), *[mx.zeros((EXPERTS, n, k // 64), mx.bfloat16)] * 2
+        experts = projection(n, k)
         for _, x_batch, routes_shape in CALLS:
             x, routes = mx.zeros((math.prod(x_batch), k), mx.bfloat16), mx.zeros((math.prod(routes_shape),), mx.uint32)
-            kernel.expert_mma(x, routes, [projection])
+            kernel.expert_mma(x, routes, [experts])
         for settings in SETTINGS:
-            kernel.expert_mma(mx.zeros((7, k), mx.bfloat16), mx.zeros((56,), mx.uint32), [projection], **settings)
-    for settings in PAIR_SETTINGS:  # a decode step's up and gate in one launch
-        _, n, k = SHAPES[0]
-        projection = mx.zeros((EXPERTS, n, k // 8), mx.uint32), *[mx.zeros((EXPERTS, n, k // 64), mx.bfloat16)] * 2
-        kernel.expert_mma(mx.zeros((1, k), mx.bfloat16), mx.zeros((8,), mx.uint32), [projection] * 2, **settings)
+            kernel.expert_mma(mx.zeros((7, k), mx.bfloat16), mx.zeros((56,), mx.uint32), [experts], **settings)
+    _, n, k = SHAPES[0]
+    pair = [projection(n, k)] * 2  # a decode step's up and gate in one launch
+    for settings in PAIR_SETTINGS:
+        kernel.expert_mma(mx.zeros((1, k), mx.bfloat16), mx.zeros((8,), mx.uint32), pair, **settings)
 
 
 def _kda_verify():
