@@ -1,7 +1,8 @@
 """routed_experts on the CPU: the wrapper steps aside, and routes exactly the expert projections stock runs
 as MLX's qmm_sm80 on CUDA.
 
-The patch is one CUDA kernel behind ``QuantizedSwitchLinear.__call__``, taken
+The patch is one CUDA kernel behind ``QuantizedSwitchLinear.__call__`` and,
+for a decode step's up and gate in one launch, ``SwitchGLU.__call__``, taken
 only inside a glm5_next MoE block (its ``MoE.__call__`` wrapper marks them).
 ``glm53-patches verify routed_experts`` runs it against ``gather_qmm`` on a
 GPU; ``benchmarks/h200/probe_expert_mma.py`` found it bit-identical on an H100.
